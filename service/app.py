@@ -1,0 +1,90 @@
+"""The FastAPI application: routers, error rendering, body limits, and the scheduler thread."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from service import __version__
+from service.api.limits import BodyLimitMiddleware
+from service.auth.tokens import ensure_admin
+from service.config import Settings
+from service.db import Database
+from service.errors import TorchJobsError
+from service.jobs.router import router as jobs_router
+from service.scheduler.loop import Dispatch, SchedulerThread
+from service.users.router import router as users_router
+from service.workers.router import router as workers_router
+
+log = logging.getLogger("torchjobs.api")
+UPLOAD_PATHS = ("/v1/checkpoints",)
+
+
+def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = Database(settings)
+        app.state.db, app.state.settings = db, settings
+        with db.transaction() as session:
+            ensure_admin(session, settings)
+        thread = None
+        if scheduler:
+            thread = SchedulerThread(db, settings, _celery_dispatcher(settings))
+            thread.start()
+        app.state.scheduler = thread
+        try:
+            yield
+        finally:
+            if thread is not None:
+                thread.stop()
+                thread.join(timeout=5)
+            db.dispose()
+
+    app = FastAPI(title="torchjobs", version=__version__, lifespan=lifespan)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        default_limit=settings.max_request_bytes,
+        upload_limit=settings.max_upload_bytes,
+        upload_paths=UPLOAD_PATHS,
+    )
+    _install_error_handlers(app)
+
+    @app.get("/healthz", tags=["health"])
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    for router in (jobs_router, users_router, workers_router):
+        app.include_router(router)
+    return app
+
+
+def _celery_dispatcher(settings: Settings):  # type: ignore[no-untyped-def]
+    from workers.celery_app import make_celery, send_node
+
+    celery = make_celery(settings)
+
+    def dispatch(items: list[Dispatch]) -> None:
+        for item in items:
+            send_node(
+                celery, job_id=item.job_id, attempt=item.attempt, node_rank=item.node_rank, worker=item.worker
+            )
+
+    return dispatch
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(TorchJobsError)
+    async def _domain_error(_request: Request, exc: TorchJobsError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return JSONResponse({"detail": "internal error"}, status_code=500)

@@ -1,0 +1,336 @@
+"""Client commands over the REST API: submit, ls, show, watch, logs, cancel, checkpoints, download, upload.
+
+Every command takes `--output json` for scripts. `watch` exits 0 when the job succeeded,
+1 when it failed and 3 when it was cancelled; API errors exit 2 with the server's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from service.client import TERMINAL, ApiError, Client
+from service.config import Settings
+
+console = Console(stderr=True)
+OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table | json")]
+UrlOpt = Annotated[str | None, typer.Option("--url", help="server URL (TORCHJOBS_URL)")]
+TokenOpt = Annotated[str | None, typer.Option("--token", help="bearer token (TORCHJOBS_TOKEN)")]
+EXIT_BY_STATE = {"succeeded": 0, "failed": 1, "cancelled": 3}
+
+
+def make_client(url: str | None, token: str | None) -> Client:
+    settings = Settings()
+    token = token or settings.token or settings.admin_token
+    if token is None and settings.admin_token_file.exists():
+        token = settings.admin_token_file.read_text().strip()
+    return Client(url or settings.url, token)
+
+
+def _emit(data: Any, output: str) -> None:
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+def _fail(exc: ApiError) -> None:
+    detail = exc.detail
+    if isinstance(detail, list):
+        for err in detail:
+            loc = ".".join(str(p) for p in err.get("loc", []) if p != "body")
+            console.print(f"[red]error[/red] {loc}: {err.get('msg')}")
+    else:
+        console.print(f"[red]error {exc.status_code}[/red]: {detail}")
+    raise typer.Exit(2)
+
+
+def set_path(spec: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = spec
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+def build_spec(file: Path | None, sets: list[str], flags: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = yaml.safe_load(file.read_text()) if file else {}
+    if not isinstance(spec, dict):
+        raise typer.BadParameter("the spec file must hold a mapping")
+    for key, value in flags.items():
+        if value is not None:
+            set_path(spec, key, value)
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--set takes key=value, got {item!r}")
+        set_path(spec, key.strip(), yaml.safe_load(raw))
+    spec.setdefault("entrypoint", {"kind": "builtin", "model": "cnn", "dataset": "digits"})
+    spec.setdefault("mode", "single")
+    return spec
+
+
+def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small commands
+    @app.command()
+    def submit(
+        file: Annotated[
+            Path | None, typer.Argument(help="job spec YAML", exists=True, dir_okay=False)
+        ] = None,
+        set_: Annotated[list[str] | None, typer.Option("--set", help="key=value override")] = None,
+        mode: Annotated[str | None, typer.Option()] = None,
+        nodes: Annotated[int | None, typer.Option()] = None,
+        gpus_per_node: Annotated[int | None, typer.Option()] = None,
+        model: Annotated[str | None, typer.Option(help="builtin model")] = None,
+        dataset: Annotated[str | None, typer.Option(help="builtin dataset")] = None,
+        epochs: Annotated[int | None, typer.Option()] = None,
+        name: Annotated[str | None, typer.Option()] = None,
+        url: UrlOpt = None,
+        token: TokenOpt = None,
+        output: OutputOpt = "table",
+    ) -> None:
+        """Submit a job from a YAML file and/or flags."""
+        flags = {
+            "mode": mode,
+            "nodes": nodes,
+            "gpus_per_node": gpus_per_node,
+            "name": name,
+            "hyperparameters.epochs": epochs,
+        }
+        if model or dataset:
+            flags.update(
+                {
+                    "entrypoint.kind": "builtin",
+                    "entrypoint.model": model or "cnn",
+                    "entrypoint.dataset": dataset or "digits",
+                }
+            )
+        spec = build_spec(file, set_ or [], flags)
+        with make_client(url, token) as client:
+            try:
+                job = client.submit(spec)
+            except ApiError as exc:
+                _fail(exc)
+        if output == "json":
+            _emit(job, output)
+        else:
+            typer.echo(job["id"])
+
+    @app.command("ls")
+    def ls(
+        state: Annotated[str | None, typer.Option()] = None,
+        limit: Annotated[int, typer.Option()] = 20,
+        url: UrlOpt = None,
+        token: TokenOpt = None,
+        output: OutputOpt = "table",
+    ) -> None:
+        """List jobs, newest first."""
+        with make_client(url, token) as client:
+            try:
+                page = client.list(state=state, limit=limit)
+            except ApiError as exc:
+                _fail(exc)
+        if output == "json":
+            _emit(page, output)
+            return
+        table = Table("id", "name", "state", "mode", "nodes×gpus", "progress", "loss", "created")
+        for job in page["items"]:
+            p = job["progress"]
+            frac = f"{p['fraction'] * 100:.0f}%" if p.get("fraction") is not None else ""
+            loss = f"{p['loss']:.4f}" if p.get("loss") is not None else ""
+            table.add_row(
+                str(job["id"]),
+                job["name"] or "",
+                job["state"],
+                job["mode"],
+                f"{job['nodes']}×{job['gpus_per_node']}",
+                frac,
+                loss,
+                job["created_at"][:19],
+            )
+        Console().print(table)
+
+    @app.command()
+    def show(job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "json") -> None:
+        """Show one job."""
+        with make_client(url, token) as client:
+            try:
+                _emit(client.get(job_id), output)
+            except ApiError as exc:
+                _fail(exc)
+
+    @app.command()
+    def watch(job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table") -> None:
+        """Follow a job live until it ends; the exit code says how it ended."""
+        with make_client(url, token) as client:
+            try:
+                final = _watch(client, job_id, output)
+            except ApiError as exc:
+                _fail(exc)
+        raise typer.Exit(EXIT_BY_STATE.get(final, 1))
+
+    @app.command()
+    def logs(
+        job_id: int,
+        follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
+        node: Annotated[int, typer.Option()] = 0,
+        rank: Annotated[int, typer.Option()] = 0,
+        attempt: Annotated[int | None, typer.Option()] = None,
+        url: UrlOpt = None,
+        token: TokenOpt = None,
+    ) -> None:
+        """Print one rank's output; -f follows it, surviving dropped connections."""
+        with make_client(url, token) as client:
+            try:
+                _logs(client, job_id, node, rank, attempt, follow)
+            except ApiError as exc:
+                _fail(exc)
+
+    @app.command()
+    def cancel(job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table") -> None:
+        """Cancel a job (harmless if it is already cancelling or cancelled)."""
+        with make_client(url, token) as client:
+            try:
+                job = client.cancel(job_id)
+            except ApiError as exc:
+                _fail(exc)
+        _emit(job, output) if output == "json" else typer.echo(job["state"])
+
+    @app.command()
+    def checkpoints(
+        job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table"
+    ) -> None:
+        """List a job's checkpoints, oldest first."""
+        with make_client(url, token) as client:
+            try:
+                items = client.checkpoints(job_id)
+            except ApiError as exc:
+                _fail(exc)
+        if output == "json":
+            _emit({"items": items}, output)
+            return
+        table = Table("id", "name", "epoch", "step", "size", "sha256", "created")
+        for c in items:
+            table.add_row(
+                str(c["id"]),
+                c["name"],
+                str(c["epoch"]),
+                str(c["step"]),
+                str(c["size_bytes"]),
+                c["sha256"][:12],
+                c["created_at"][:19],
+            )
+        Console().print(table)
+
+    @app.command()
+    def download(
+        ckpt_id: int,
+        out: Annotated[Path | None, typer.Option("-o", "--out", help="destination file")] = None,
+        url: UrlOpt = None,
+        token: TokenOpt = None,
+        output: OutputOpt = "table",
+    ) -> None:
+        """Download a checkpoint with a progress bar; resumes and verifies its SHA-256."""
+        with make_client(url, token) as client:
+            try:
+                meta = client.checkpoint(ckpt_id)
+                dest = str(out or meta["name"])
+                with Progress(
+                    TextColumn("{task.description}"),
+                    BarColumn(),
+                    TimeRemainingColumn(),
+                    console=console,
+                    transient=output == "json",
+                ) as bar:
+                    task = bar.add_task(meta["name"], total=meta["size_bytes"])
+                    sha = client.download(ckpt_id, dest, lambda d, t: bar.update(task, completed=d, total=t))
+            except ApiError as exc:
+                _fail(exc)
+        result = {"id": ckpt_id, "path": dest, "sha256": sha, "verified": True}
+        _emit(result, output) if output == "json" else typer.echo(f"{dest} sha256 {sha} verified")
+
+    @app.command()
+    def upload(
+        path: Annotated[Path, typer.Argument(exists=True, dir_okay=False)],
+        name: Annotated[str | None, typer.Option()] = None,
+        url: UrlOpt = None,
+        token: TokenOpt = None,
+        output: OutputOpt = "table",
+    ) -> None:
+        """Upload your own checkpoint to resume from."""
+        with make_client(url, token) as client:
+            try:
+                ckpt = client.upload(str(path), name)
+            except ApiError as exc:
+                _fail(exc)
+        _emit(ckpt, output) if output == "json" else typer.echo(ckpt["id"])
+
+
+def _watch(client: Client, job_id: int, output: str) -> str:
+    job = client.get(job_id)
+    if output == "json":
+        for event in client.stream_events(job_id):
+            typer.echo(json.dumps(event))
+        return client.get(job_id)["state"]
+    columns = (
+        TextColumn("[bold]job {task.fields[job]}[/bold] {task.fields[state]}"),
+        BarColumn(),
+        TextColumn(
+            "epoch {task.fields[epoch]} step {task.fields[step]} loss {task.fields[loss]} "
+            "{task.fields[sps]} samples/s"
+        ),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task(
+            "", total=1.0, job=job_id, state=job["state"], epoch="-", step="-", loss="-", sps="-"
+        )
+        for event in client.stream_events(job_id):
+            if event["type"] == "state":
+                bar.update(task, state=event["data"]["state"])
+            elif event["type"] == "progress":
+                d = event["data"]
+                frac = (d["step"] / d["total_steps"]) if d.get("total_steps") else None
+                bar.update(
+                    task,
+                    completed=frac if frac is not None else 0,
+                    epoch=f"{d.get('epoch')}/{d.get('epochs')}",
+                    step=d.get("step"),
+                    loss=f"{d['loss']:.4f}" if isinstance(d.get("loss"), float) else "-",
+                    sps=f"{d['samples_per_sec']:.0f}" if isinstance(d.get("samples_per_sec"), float) else "-",
+                )
+        final = client.get(job_id)
+        if final["state"] == "succeeded":
+            bar.update(task, completed=1.0)
+    console.print(f"job {job_id} {final['state']}" + (f": {final['error']}" if final.get("error") else ""))
+    return final["state"]
+
+
+def _logs(client: Client, job_id: int, node: int, rank: int, attempt: int | None, follow: bool) -> None:
+    offset = 0
+    while True:
+        try:
+            data, offset = client.logs(job_id, node, rank, offset, attempt)
+        except ApiError:
+            raise
+        except Exception:
+            if not follow:
+                raise
+            time.sleep(1)
+            continue
+        if data:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        if not follow:
+            return
+        if not data:
+            if client.get(job_id)["state"] in TERMINAL:
+                data, offset = client.logs(job_id, node, rank, offset, attempt)
+                sys.stdout.buffer.write(data)
+                return
+            time.sleep(1)

@@ -1,0 +1,72 @@
+"""The `torchjobs` command (contract §1): server-side processes and the client."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from service.cli import client_cmds
+from service.cli.processes import run_db_upgrade, run_server, run_up, run_worker_cmd
+
+app = typer.Typer(
+    help="torchjobs: a small, sharp PyTorch training-job service.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+db_app = typer.Typer(help="Database commands.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+client_cmds.register(app)
+
+
+@app.command()
+def up(
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    gpus: Annotated[
+        int | None, typer.Option(help="GPU slots of the local worker (default: detected)")
+    ] = None,
+    accelerator: Annotated[str, typer.Option(help="auto | cuda | cpu")] = "auto",
+) -> None:
+    """Everything on one machine: API, scheduler, one local worker, SQLite, embedded broker."""
+    run_up(host, port, gpus, accelerator)
+
+
+@app.command()
+def server(
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    no_scheduler: Annotated[bool, typer.Option("--no-scheduler", help="API only")] = False,
+) -> None:
+    """The API server (and the scheduler) against TORCHJOBS_DATABASE_URL and TORCHJOBS_BROKER_URL."""
+    from service.config import Settings
+
+    run_server(Settings(), host, port, scheduler=not no_scheduler)
+
+
+@app.command()
+def worker(
+    name: Annotated[str, typer.Option(help="unique name of this host")],
+    gpus: Annotated[int | None, typer.Option(help="GPU slots (default: CUDA device count)")] = None,
+    accelerator: Annotated[str, typer.Option(help="auto | cuda | cpu")] = "auto",
+    address: Annotated[str | None, typer.Option(help="address other nodes use to reach this host")] = None,
+) -> None:
+    """A Celery worker for one host."""
+    if accelerator not in ("auto", "cuda", "cpu"):
+        raise typer.BadParameter("--accelerator is auto, cuda or cpu")
+    run_worker_cmd(name, gpus, accelerator, address)
+
+
+@db_app.command("upgrade")
+def db_upgrade() -> None:
+    """Apply the Alembic migrations."""
+    run_db_upgrade()
+    typer.echo("database is at the latest revision")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The one place configuration is read (contract §1).
+
+Every process of torchjobs — API server, scheduler, workers, CLI — builds a `Settings`
+from the environment (prefix ``TORCHJOBS_``, an optional ``.env``) and passes it down.
+Nothing else reads ``os.environ`` for torchjobs settings.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TORCHJOBS_", env_file=".env", extra="ignore")
+
+    home: Path = Field(default_factory=lambda: Path.home() / ".torchjobs")
+    database_url: str | None = None
+    broker_url: str | None = None
+    storage_url: str | None = None
+    admin_token: str | None = None
+    script_roots: str = ""
+    url: str = "http://127.0.0.1:8000"
+    token: str | None = None
+
+    heartbeat_interval_s: float = 2.0
+    heartbeat_timeout_s: float = 15.0
+    scheduler_interval_s: float = 1.0
+    starvation_s: float = 300.0
+    cancel_grace_s: float = 10.0
+    rendezvous_timeout_s: float = 120.0
+    master_port_base: int = 29400
+    master_port_span: int = 2000
+    max_request_bytes: int = 1_048_576
+    max_upload_bytes: int = 8 * 1024**3
+    checkpoint_keep_last: int = 0
+    metrics_public: bool = False
+    log_json: bool = False
+
+    @cached_property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'torchjobs.db'}"
+
+    @cached_property
+    def resolved_broker_url(self) -> str:
+        """The embedded broker is kombu's filesystem transport: no server to run."""
+        return self.broker_url or "filesystem://"
+
+    @property
+    def broker_folder(self) -> Path:
+        return self.home / "broker"
+
+    @cached_property
+    def resolved_storage_url(self) -> str:
+        return self.storage_url or f"file://{self.home / 'checkpoints'}"
+
+    @property
+    def admin_token_file(self) -> Path:
+        return self.home / "admin.token"
+
+    @property
+    def runs_dir(self) -> Path:
+        """Per-node working folders of running attempts; each is removed when its node ends."""
+        return self.home / "runs"
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.home / "cache"
+
+    @cached_property
+    def script_root_paths(self) -> list[Path]:
+        return [Path(p).resolve() for p in self.script_roots.split(":") if p.strip()]
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.resolved_database_url.startswith("sqlite")
+
+
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,70 @@
+"""Engine and sessions.
+
+One engine per process. SQLite (the embedded setup) is shared by the API server and the
+worker processes, so it runs in WAL mode with a busy timeout, and every transaction is
+``BEGIN IMMEDIATE``: writers queue up instead of failing half-way with "database is locked".
+On PostgreSQL transactions are ordinary; row locks serialise what must be serialised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.config import Settings
+
+
+def _setup_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn) -> None:  # type: ignore[no-untyped-def]
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_engine(settings: Settings) -> Engine:
+    url = settings.resolved_database_url
+    if url.startswith("sqlite"):
+        db_path = url.split("///", 1)[-1]
+        if db_path and db_path != ":memory:":
+            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        _setup_sqlite(engine)
+        return engine
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+
+
+class Database:
+    """Owns the engine and hands out sessions; passed explicitly, never a module global."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engine = make_engine(settings)
+        self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False)
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.engine.dialect.name == "postgresql"
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """One unit of work: commit on success, roll back on any error."""
+        with self.sessionmaker() as session, session.begin():
+            yield session
+
+    def dispose(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,106 @@
+"""All SQL about jobs, their events, attempts and node runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import and_, func, or_, select
+from sqlalchemy.orm import Session
+
+from service.models import Checkpoint, Job, JobAttempt, JobEvent, NodeRun, User
+
+
+def get_job(session: Session, job_id: int, owner_id: int | None) -> Job | None:
+    """`owner_id=None` is the admin's view: every job."""
+    query = select(Job).where(Job.id == job_id)
+    if owner_id is not None:
+        query = query.where(Job.owner_id == owner_id)
+    return session.execute(query).scalar_one_or_none()
+
+
+def get_by_idempotency_key(session: Session, owner_id: int, key: str) -> Job | None:
+    return session.execute(
+        select(Job).where(Job.owner_id == owner_id, Job.idempotency_key == key)
+    ).scalar_one_or_none()
+
+
+def list_jobs(
+    session: Session, owner_id: int | None, state: str | None, limit: int, before_id: int | None
+) -> Sequence[Job]:
+    """Newest first by id; keyset pagination so page N costs what page 1 costs."""
+    query = select(Job).order_by(Job.id.desc()).limit(limit)
+    if owner_id is not None:
+        query = query.where(Job.owner_id == owner_id)
+    if state is not None:
+        query = query.where(Job.state == state)
+    if before_id is not None:
+        query = query.where(Job.id < before_id)
+    return session.execute(query).scalars().all()
+
+
+def owner_names(session: Session, owner_ids: set[int]) -> dict[int, str]:
+    rows = session.execute(select(User.id, User.name).where(User.id.in_(owner_ids))).all()
+    return {row.id: row.name for row in rows}
+
+
+def node_runs_for(session: Session, keys: set[tuple[int, int]]) -> Sequence[NodeRun]:
+    if not keys:
+        return []
+    conds = [and_(NodeRun.job_id == j, NodeRun.attempt == a) for j, a in keys]
+    return session.execute(select(NodeRun).where(or_(*conds)).order_by(NodeRun.node_rank)).scalars().all()
+
+
+def attempts_for(session: Session, job_ids: set[int]) -> Sequence[JobAttempt]:
+    return (
+        session.execute(select(JobAttempt).where(JobAttempt.job_id.in_(job_ids)).order_by(JobAttempt.attempt))
+        .scalars()
+        .all()
+    )
+
+
+def latest_checkpoints(session: Session, job_ids: set[int]) -> dict[int, Checkpoint]:
+    newest = (
+        select(func.max(Checkpoint.id).label("id"))
+        .where(Checkpoint.job_id.in_(job_ids))
+        .group_by(Checkpoint.job_id)
+        .subquery()
+    )
+    rows = session.execute(select(Checkpoint).join(newest, Checkpoint.id == newest.c.id)).scalars().all()
+    return {c.job_id: c for c in rows if c.job_id is not None}
+
+
+def queue_position(session: Session, job: Job) -> int:
+    ahead = session.execute(
+        select(func.count())
+        .select_from(Job)
+        .where(
+            Job.state == "queued",
+            or_(Job.priority > job.priority, and_(Job.priority == job.priority, Job.id < job.id)),
+        )
+    ).scalar_one()
+    return int(ahead) + 1
+
+
+def events_after(session: Session, job_id: int, after: int, limit: int) -> Sequence[JobEvent]:
+    return (
+        session.execute(
+            select(JobEvent)
+            .where(JobEvent.job_id == job_id, JobEvent.seq > after)
+            .order_by(JobEvent.seq)
+            .limit(limit)
+        )
+        .scalars()
+        .all()
+    )
+
+
+def progress_events(session: Session, job_id: int) -> Sequence[JobEvent]:
+    return (
+        session.execute(
+            select(JobEvent)
+            .where(JobEvent.job_id == job_id, JobEvent.type == "progress")
+            .order_by(JobEvent.seq)
+        )
+        .scalars()
+        .all()
+    )

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Response
+
+from service.api.deps import JobDep, SessionDep, SettingsDep, UserDep
+from service.jobs import service
+from service.jobs.schemas import EventList, JobList, JobOut, MetricsOut
+from service.jobs.spec import JobSpec
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+@router.post("", status_code=201, response_model=JobOut)
+def submit_job(
+    spec: JobSpec,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    user: UserDep,
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+) -> JobOut:
+    job, created = service.submit_job(session, settings, user, spec, idempotency_key)
+    response.headers["Location"] = f"/v1/jobs/{job.id}"
+    if not created:
+        response.status_code = 200
+    return service.job_views(session, [job])[0]
+
+
+@router.get("", response_model=JobList)
+def list_jobs(
+    session: SessionDep,
+    user: UserDep,
+    state: Annotated[str | None, Query(max_length=16)] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[str | None, Query(max_length=32)] = None,
+) -> JobList:
+    return service.list_jobs(session, user, state, limit, cursor)
+
+
+@router.get("/{job_id}", response_model=JobOut)
+def get_job(job: JobDep, session: SessionDep) -> JobOut:
+    return service.job_views(session, [job])[0]
+
+
+@router.post("/{job_id}/cancel", status_code=202, response_model=JobOut)
+def cancel_job(job: JobDep, session: SessionDep, user: UserDep) -> JobOut:
+    job = service.cancel_job(session, user, job.id)
+    return service.job_views(session, [job])[0]
+
+
+@router.get("/{job_id}/events", response_model=EventList)
+def list_events(
+    job: JobDep,
+    session: SessionDep,
+    after: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> EventList:
+    return EventList(items=service.list_events(session, job, after, limit))
+
+
+@router.get("/{job_id}/metrics", response_model=MetricsOut)
+def job_metrics(job: JobDep, session: SessionDep) -> MetricsOut:
+    return service.metrics(session, job)

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+from service.schemas import CheckpointOut, Output
+
+
+class Progress(BaseModel):
+    epoch: int | None = None
+    epochs: int | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    fraction: float | None = None
+    loss: float | None = None
+    samples_per_sec: float | None = None
+    val_loss: float | None = None
+    val_accuracy: float | None = None
+
+
+class Assignment(BaseModel):
+    node_rank: int
+    worker: str
+    gpus: list[int]
+
+
+class AttemptOut(Output):
+    attempt: int
+    started_at: datetime | None
+    finished_at: datetime | None
+    exit_code: int | None
+    reason: str | None
+
+
+class JobOut(BaseModel):
+    id: int
+    name: str | None
+    owner: str
+    state: str
+    mode: str
+    nodes: int
+    gpus_per_node: int
+    entrypoint: dict[str, Any]
+    hyperparameters: dict[str, Any] | None
+    resume_from: dict[str, Any] | None
+    max_retries: int
+    attempt: int
+    priority: int
+    labels: dict[str, str]
+    progress: Progress
+    assignments: list[Assignment]
+    latest_checkpoint: CheckpointOut | None
+    error: str | None
+    exit_code: int | None
+    pending_reason: str | None
+    queue_position: int | None
+    attempts: list[AttemptOut]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobList(BaseModel):
+    items: list[JobOut]
+    next_cursor: str | None
+
+
+class EventOut(Output):
+    seq: int
+    ts: datetime
+    type: str
+    data: dict[str, Any]
+
+
+class EventList(BaseModel):
+    items: list[EventOut]
+
+
+class MetricsOut(BaseModel):
+    series: list[dict[str, Any]]

@@ -1,0 +1,195 @@
+"""Job logic behind the API: submit, read, list, cancel, events and metrics.
+
+Functions take a session inside the caller's transaction and raise domain errors; they never
+commit (the request's session dependency does) and never import FastAPI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.errors import InvalidSpec, NotFound
+from service.jobs import repository as repo
+from service.jobs.schemas import Assignment, AttemptOut, EventOut, JobList, JobOut, MetricsOut, Progress
+from service.jobs.spec import JobSpec
+from service.jobs.states import ALL_STATES, CANCELLED, CANCELLING, QUEUED, TERMINAL, transition_job
+from service.jobs.validation import validate_in_context
+from service.models import Job, User
+from service.schemas import checkpoint_out
+
+PROGRESS_KEYS = (
+    "epoch",
+    "epochs",
+    "step",
+    "total_steps",
+    "loss",
+    "samples_per_sec",
+    "val_loss",
+    "val_accuracy",
+)
+
+
+def submit_job(
+    session: Session, settings: Settings, user: User, spec: JobSpec, idempotency_key: str | None
+) -> tuple[Job, bool]:
+    """Returns (job, created). A repeated Idempotency-Key returns the first job, never a second."""
+    if idempotency_key is not None:
+        existing = repo.get_by_idempotency_key(session, user.id, idempotency_key)
+        if existing is not None:
+            return existing, False
+    resume_checkpoint_id = validate_in_context(session, settings, spec, user)
+    hyper = spec.effective_hyperparameters()
+    job = Job(
+        owner_id=user.id,
+        name=spec.name,
+        state=QUEUED,
+        mode=spec.mode,
+        nodes=spec.nodes,
+        gpus_per_node=spec.gpus_per_node,
+        entrypoint=spec.entrypoint.model_dump(),
+        hyperparameters=hyper.model_dump() if hyper else None,
+        resume_from=spec.resume_from.model_dump(exclude_none=True) if spec.resume_from else None,
+        resume_checkpoint_id=resume_checkpoint_id,
+        env=spec.env,
+        labels=spec.labels,
+        max_retries=spec.max_retries,
+        priority=spec.priority,
+        attempt=1,
+        idempotency_key=idempotency_key,
+        pending_reason="waiting for the scheduler",
+    )
+    try:
+        with session.begin_nested():
+            session.add(job)
+            session.flush()
+    except IntegrityError:
+        if idempotency_key is None:
+            raise
+        existing = repo.get_by_idempotency_key(session, user.id, idempotency_key)
+        if existing is None:
+            raise
+        return existing, False
+    from service.jobs.states import append_event
+
+    append_event(session, job.id, "state", {"state": QUEUED, "reason": "submitted"})
+    return job, True
+
+
+def get_job(session: Session, user: User, job_id: int) -> Job:
+    job = repo.get_job(session, job_id, None if user.is_admin else user.id)
+    if job is None:
+        raise NotFound("job")
+    return job
+
+
+def list_jobs(session: Session, user: User, state: str | None, limit: int, cursor: str | None) -> JobList:
+    if state is not None and state not in ALL_STATES:
+        raise InvalidSpec(("state",), f"unknown state; one of {', '.join(ALL_STATES)}")
+    before = _parse_cursor(cursor)
+    jobs = repo.list_jobs(session, None if user.is_admin else user.id, state, limit + 1, before)
+    page = list(jobs[:limit])
+    next_cursor = str(page[-1].id) if len(jobs) > limit and page else None
+    return JobList(items=job_views(session, page), next_cursor=next_cursor)
+
+
+def _parse_cursor(cursor: str | None) -> int | None:
+    if cursor is None or cursor == "":
+        return None
+    if not cursor.isdigit() or len(cursor) > 18:
+        raise InvalidSpec(("cursor",), "invalid cursor")
+    return int(cursor)
+
+
+def cancel_job(session: Session, user: User, job_id: int) -> Job:
+    """Queued: cancelled at once. Placed or running: `cancelling`; the nodes finish the move."""
+    from service.errors import Conflict
+    from service.jobs.states import lock_job
+
+    job = get_job(session, user, job_id)
+    job = lock_job(session, job.id) or job
+    if job.state in (CANCELLING, CANCELLED):
+        return job
+    if job.state in TERMINAL:
+        raise Conflict(f"job {job.id} already {job.state}")
+    transition_job(session, job, CANCELLED if job.state == QUEUED else CANCELLING, "cancelled by user")
+    return job
+
+
+def list_events(session: Session, job: Job, after: int, limit: int = 1000) -> list[EventOut]:
+    return [EventOut.model_validate(e) for e in repo.events_after(session, job.id, after, limit)]
+
+
+def metrics(session: Session, job: Job) -> MetricsOut:
+    series = []
+    for event in repo.progress_events(session, job.id):
+        point = {k: event.data.get(k) for k in PROGRESS_KEYS}
+        point["ts"] = event.ts.isoformat()
+        series.append(point)
+    return MetricsOut(series=series)
+
+
+def progress_of(job: Job) -> Progress:
+    data: dict[str, Any] = dict(job.progress or {})
+    if job.hyperparameters and data.get("epochs") is None:
+        data["epochs"] = job.hyperparameters.get("epochs")
+    total, step = data.get("total_steps"), data.get("step")
+    fraction = None
+    if total and step is not None:
+        fraction = min(1.0, step / total)
+    elif data.get("epochs") and data.get("epoch") is not None:
+        fraction = min(1.0, data["epoch"] / data["epochs"])
+    if job.state == "succeeded":
+        fraction = 1.0
+    return Progress(**{k: data.get(k) for k in PROGRESS_KEYS}, fraction=fraction)
+
+
+def job_views(session: Session, jobs: Sequence[Job]) -> list[JobOut]:
+    """Assemble Job responses with one query per related table, not one per job."""
+    if not jobs:
+        return []
+    ids = {j.id for j in jobs}
+    owners = repo.owner_names(session, {j.owner_id for j in jobs})
+    runs: dict[int, list[Assignment]] = {}
+    for run in repo.node_runs_for(session, {(j.id, j.attempt) for j in jobs}):
+        runs.setdefault(run.job_id, []).append(
+            Assignment(node_rank=run.node_rank, worker=run.worker_name, gpus=list(run.gpus))
+        )
+    attempts: dict[int, list[AttemptOut]] = {}
+    for att in repo.attempts_for(session, ids):
+        attempts.setdefault(att.job_id, []).append(AttemptOut.model_validate(att))
+    latest = repo.latest_checkpoints(session, ids)
+    return [
+        JobOut(
+            id=j.id,
+            name=j.name,
+            owner=owners.get(j.owner_id, "?"),
+            state=j.state,
+            mode=j.mode,
+            nodes=j.nodes,
+            gpus_per_node=j.gpus_per_node,
+            entrypoint=j.entrypoint,
+            hyperparameters=j.hyperparameters,
+            resume_from=j.resume_from,
+            max_retries=j.max_retries,
+            attempt=j.attempt,
+            priority=j.priority,
+            labels=j.labels or {},
+            progress=progress_of(j),
+            assignments=runs.get(j.id, []) if j.state not in (QUEUED,) else [],
+            latest_checkpoint=checkpoint_out(latest[j.id]) if j.id in latest else None,
+            error=j.error,
+            exit_code=j.exit_code,
+            pending_reason=j.pending_reason if j.state == QUEUED else None,
+            queue_position=repo.queue_position(session, j) if j.state == QUEUED else None,
+            attempts=attempts.get(j.id, []),
+            created_at=j.created_at,
+            started_at=j.started_at,
+            finished_at=j.finished_at,
+        )
+        for j in jobs
+    ]

@@ -1,0 +1,157 @@
+"""The job spec of contract §3, with every limit declared so the OpenAPI schema shows it.
+
+Context-free contradictions (a `dp` job on 2 nodes, `single` on 2 GPUs) are caught here and
+name their field. Checks that need the cluster or the settings (does any worker fit, is the
+script inside the roots, is the checkpoint the caller's) live in `service.jobs.validation`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+NAME = Annotated[str, Field(min_length=1, max_length=128)]
+ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+FORBIDDEN_ENV = {
+    "RANK",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "NODE_RANK",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONUSERBASE",
+    "PYTHONEXECUTABLE",
+    "PATH",
+    "HOME",
+    "BASH_ENV",
+    "ENV",
+    "NVIDIA_VISIBLE_DEVICES",
+}
+FORBIDDEN_ENV_PREFIXES = ("MASTER_", "LOCAL_", "TORCHJOBS_", "TORCHELASTIC_", "LD_", "DYLD_", "GROUP_")
+CALLABLE_RE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class Input(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BuiltinEntrypoint(Input):
+    kind: Literal["builtin"]
+    model: Literal["cnn", "mlp"] = "cnn"
+    dataset: Literal["digits", "synthetic"] = "digits"
+
+
+class FactoryEntrypoint(Input):
+    kind: Literal["factory"]
+    model: str = Field(pattern=CALLABLE_RE, max_length=256, description="module:callable -> nn.Module")
+    dataset: str = Field(pattern=CALLABLE_RE, max_length=256, description="module:callable -> dataset(s)")
+
+
+class ScriptEntrypoint(Input):
+    kind: Literal["script"]
+    path: str = Field(min_length=1, max_length=1024)
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=256)
+
+    @field_validator("path")
+    @classmethod
+    def _no_nul(cls, v: str) -> str:
+        if "\x00" in v:
+            raise ValueError("path may not contain NUL")
+        return v
+
+
+Entrypoint = Annotated[BuiltinEntrypoint | FactoryEntrypoint | ScriptEntrypoint, Field(discriminator="kind")]
+
+
+class Hyperparameters(Input):
+    epochs: int = Field(10, ge=1, le=100_000)
+    batch_size: int = Field(64, ge=1, le=65_536, description="per process")
+    lr: float = Field(0.001, gt=0, le=10)
+    weight_decay: float = Field(0.001, ge=0, le=10)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    num_workers: int = Field(2, ge=0, le=64)
+    checkpoint_every: int = Field(1, ge=1, le=100_000, description="epochs")
+    synthetic_size: int = Field(4096, ge=1, le=10_000_000, description="samples of the synthetic data set")
+    report_every: int = Field(10, ge=1, le=1_000_000, description="steps between progress reports")
+
+
+class ResumeFrom(Input):
+    checkpoint_id: int | None = Field(None, ge=1, le=2**62)
+    job_id: int | None = Field(None, ge=1, le=2**62)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ResumeFrom:
+        if (self.checkpoint_id is None) == (self.job_id is None):
+            raise ValueError("give exactly one of checkpoint_id or job_id")
+        return self
+
+
+class JobSpec(Input):
+    name: NAME | None = None
+    mode: Literal["single", "dp", "ddp"]
+    nodes: int = Field(1, ge=1, le=64)
+    gpus_per_node: int = Field(1, ge=1, le=64)
+    entrypoint: Entrypoint
+    hyperparameters: Hyperparameters | None = None
+    resume_from: ResumeFrom | None = None
+    max_retries: int = Field(0, ge=0, le=10)
+    priority: int = Field(0, ge=-1000, le=1000)
+    env: dict[str, Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict, max_length=64)
+    labels: dict[str, Annotated[str, Field(max_length=256)]] = Field(default_factory=dict, max_length=32)
+
+    @field_validator("nodes")
+    @classmethod
+    def _nodes_fit_mode(cls, v: int, info: ValidationInfo) -> int:
+        mode = info.data.get("mode")
+        if v > 1 and mode in ("single", "dp"):
+            raise ValueError(f"mode {mode!r} runs on one node; only 'ddp' may use nodes > 1")
+        return v
+
+    @field_validator("gpus_per_node")
+    @classmethod
+    def _gpus_fit_mode(cls, v: int, info: ValidationInfo) -> int:
+        if v != 1 and info.data.get("mode") == "single":
+            raise ValueError("mode 'single' uses exactly 1 GPU")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_is_safe(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if not ENV_KEY_RE.match(key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if key.upper() in FORBIDDEN_ENV or key.upper().startswith(FORBIDDEN_ENV_PREFIXES):
+                raise ValueError(f"{key!r} is set by torchjobs or the loader and may not be overridden")
+            if "\x00" in value:
+                raise ValueError(f"value of {key!r} may not contain NUL")
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _label_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not 1 <= len(key) <= 63:
+                raise ValueError("label keys are 1 to 63 characters")
+        return v
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _hyperparameters_need_trainer(
+        cls, v: Hyperparameters | None, info: ValidationInfo
+    ) -> Hyperparameters | None:
+        entry = info.data.get("entrypoint")
+        if v is not None and isinstance(entry, ScriptEntrypoint):
+            raise ValueError("script entrypoints take their own args, not hyperparameters")
+        return v
+
+    def effective_hyperparameters(self) -> Hyperparameters | None:
+        if isinstance(self.entrypoint, ScriptEntrypoint):
+            return None
+        return self.hyperparameters or Hyperparameters()

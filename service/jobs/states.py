@@ -1,0 +1,96 @@
+"""The one gate for job state (Prefect's orchestration habit, made small).
+
+`TRANSITIONS` is the whole state machine of contract §2. `transition_job()` is the only code
+that writes `Job.state`: it checks the move, stamps the times, frees the job's GPUs when it
+leaves them behind, and appends the `state` event in the same transaction — the API, the
+scheduler, the workers and the tests all go through it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from service.errors import Conflict
+from service.models import GpuAllocation, Job, JobAttempt, JobEvent, utcnow
+
+QUEUED, SCHEDULED, RUNNING = "queued", "scheduled", "running"
+SUCCEEDED, FAILED, CANCELLING, CANCELLED = "succeeded", "failed", "cancelling", "cancelled"
+
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+ACTIVE = frozenset({SCHEDULED, RUNNING, CANCELLING})
+ALL_STATES = (QUEUED, SCHEDULED, RUNNING, SUCCEEDED, FAILED, CANCELLING, CANCELLED)
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    QUEUED: frozenset({SCHEDULED, CANCELLED, FAILED}),
+    SCHEDULED: frozenset({RUNNING, QUEUED, FAILED, SUCCEEDED, CANCELLING}),
+    RUNNING: frozenset({SUCCEEDED, FAILED, QUEUED, CANCELLING}),
+    CANCELLING: frozenset({CANCELLED}),
+    SUCCEEDED: frozenset(),
+    FAILED: frozenset(),
+    CANCELLED: frozenset(),
+}
+
+
+def can_transition(current: str, new: str) -> bool:
+    return new in TRANSITIONS.get(current, frozenset())
+
+
+def lock_job(session: Session, job_id: int) -> Job | None:
+    """Re-read a job under a row lock (SQLite: the BEGIN IMMEDIATE lock already serialises)."""
+    return session.execute(
+        select(Job).where(Job.id == job_id).with_for_update().execution_options(populate_existing=True)
+    ).scalar_one_or_none()
+
+
+def append_event(session: Session, job_id: int, type_: str, data: dict[str, Any]) -> JobEvent:
+    """Allocate the next per-job `seq` in the database: no gaps, whoever writes."""
+    seq = session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(last_event_seq=Job.last_event_seq + 1)
+        .returning(Job.last_event_seq)
+        .execution_options(synchronize_session=False)
+    ).scalar_one()
+    event = JobEvent(job_id=job_id, seq=seq, ts=utcnow(), type=type_, data=data)
+    session.add(event)
+    session.flush()
+    notify = session.info.setdefault("notify_jobs", set())
+    notify.add(job_id)
+    return event
+
+
+def transition_job(session: Session, job: Job, new_state: str, reason: str | None = None) -> JobEvent:
+    if not can_transition(job.state, new_state):
+        raise Conflict(f"job {job.id} cannot go from {job.state} to {new_state}")
+    now = utcnow()
+    job.state = new_state
+    if new_state == RUNNING and job.started_at is None:
+        job.started_at = now
+    if new_state in TERMINAL:
+        job.finished_at = now
+        job.pending_reason = None
+    if new_state == QUEUED:
+        job.queued_at = now
+        job.master_port = None
+    if new_state in TERMINAL or new_state == QUEUED:
+        free_gpus(session, job.id)
+        _close_attempt(session, job, reason)
+    session.flush()
+    return append_event(session, job.id, "state", {"state": new_state, "reason": reason})
+
+
+def free_gpus(session: Session, job_id: int) -> None:
+    session.execute(delete(GpuAllocation).where(GpuAllocation.job_id == job_id))
+
+
+def _close_attempt(session: Session, job: Job, reason: str | None) -> None:
+    attempt = session.execute(
+        select(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt)
+    ).scalar_one_or_none()
+    if attempt is not None and attempt.finished_at is None:
+        attempt.finished_at = utcnow()
+        attempt.exit_code = job.exit_code
+        attempt.reason = reason or job.state

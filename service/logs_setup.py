@@ -1,0 +1,42 @@
+"""Server and worker logging: human lines by default, one JSON object per line when asked
+(`TORCHJOBS_LOG_JSON=1`), with the job id on every record that concerns a job."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+from service.config import Settings
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        job_id = getattr(record, "job_id", None)
+        if job_id is None and record.args and isinstance(record.args, tuple) and "job %s" in str(record.msg):
+            job_id = record.args[0]
+        if job_id is not None:
+            out["job_id"] = job_id
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(settings: Settings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if settings.log_json:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("torchjobs")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False

@@ -1,0 +1,22 @@
+"""All tables; importing this module registers every model on `Base.metadata`."""
+
+from service.models.base import Base, UTCDateTime, utcnow
+from service.models.checkpoints import Checkpoint
+from service.models.jobs import GpuAllocation, Job, JobAttempt, JobEvent, LogChunk, NodeRun
+from service.models.users import User
+from service.models.workers import Worker
+
+__all__ = [
+    "Base",
+    "Checkpoint",
+    "GpuAllocation",
+    "Job",
+    "JobAttempt",
+    "JobEvent",
+    "LogChunk",
+    "NodeRun",
+    "UTCDateTime",
+    "User",
+    "Worker",
+    "utcnow",
+]

@@ -1,0 +1,130 @@
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from service.models.base import Base, UTCDateTime, utcnow
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("owner_id", "idempotency_key"),
+        Index("ix_jobs_queue", "state", "priority", "id"),
+        Index("ix_jobs_owner_id_id", "owner_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"))
+    name: Mapped[str | None] = mapped_column(String(128))
+    # Changes only through service.jobs.states.transition_job(), which also writes the event.
+    state: Mapped[str] = mapped_column(String(16))
+    mode: Mapped[str] = mapped_column(String(8))
+    nodes: Mapped[int] = mapped_column(Integer)
+    gpus_per_node: Mapped[int] = mapped_column(Integer)
+    entrypoint: Mapped[dict[str, Any]] = mapped_column(JSON)
+    hyperparameters: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    resume_from: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    resume_checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
+    env: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    max_retries: Mapped[int] = mapped_column(Integer, default=0)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    pending_reason: Mapped[str | None] = mapped_column(String(512))
+    master_port: Mapped[int | None] = mapped_column(Integer)
+    last_event_seq: Mapped[int] = mapped_column(Integer, default=0)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    queued_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    __table_args__ = (UniqueConstraint("job_id", "seq"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)
+    ts: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    type: Mapped[str] = mapped_column(String(16))
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class JobAttempt(Base):
+    __tablename__ = "job_attempts"
+    __table_args__ = (UniqueConstraint("job_id", "attempt"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    reason: Mapped[str | None] = mapped_column(Text)
+
+
+class NodeRun(Base):
+    """One node of one attempt: the unit a worker runs, and the dedup key for re-delivered tasks."""
+
+    __tablename__ = "node_runs"
+    __table_args__ = (UniqueConstraint("job_id", "attempt", "node_rank"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_rank: Mapped[int] = mapped_column(Integer)
+    worker_name: Mapped[str] = mapped_column(String(128), index=True)
+    worker_session: Mapped[str | None] = mapped_column(String(64))
+    gpus: Mapped[list[int]] = mapped_column(JSON)
+    address: Mapped[str] = mapped_column(String(255))
+    # pending -> running -> succeeded | failed | cancelled | lost
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class GpuAllocation(Base):
+    """One GPU slot held by one job; the primary key makes double allocation impossible."""
+
+    __tablename__ = "gpu_allocations"
+
+    worker_name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    gpu_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+
+
+class LogChunk(Base):
+    __tablename__ = "log_chunks"
+    __table_args__ = (
+        Index("ix_log_chunks_stream", "job_id", "attempt", "node_rank", "local_rank", "offset"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    node_rank: Mapped[int] = mapped_column(Integer)
+    local_rank: Mapped[int] = mapped_column(Integer)
+    offset: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)

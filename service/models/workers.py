@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Integer, String
+from sqlalchemy.orm import Mapped, mapped_column
+
+from service.models.base import Base, UTCDateTime, utcnow
+
+
+class Worker(Base):
+    """A worker host as it announced itself; `session` changes on every process start."""
+
+    __tablename__ = "workers"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    address: Mapped[str] = mapped_column(String(255))
+    accelerator: Mapped[str] = mapped_column(String(8))
+    gpus: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default="online")
+    session: Mapped[str] = mapped_column(String(64))
+    last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

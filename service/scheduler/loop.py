@@ -1,0 +1,214 @@
+"""The scheduler pass: reap lost workers, place queued jobs, then dispatch — in that order.
+
+One pass is one transaction; Celery messages go out only after it commits, so a worker never
+receives a node for a row that does not exist yet. Two schedulers (two API replicas) are
+safe: on PostgreSQL a transaction-scoped advisory lock lets one pass run at a time, queued
+rows are locked with SKIP LOCKED, and on every database the GPU-slot primary key makes a
+double allocation impossible — a pass that loses a race rolls back and the next one retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import select, text
+from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.orm import Session
+
+from service.config import Settings
+from service.db import Database
+from service.jobs.lifecycle import NODE_ACTIVE, cancel_pending_nodes, end_attempt, open_attempt, runs_of
+from service.jobs.states import ACTIVE, CANCELLING, QUEUED, SCHEDULED, lock_job, transition_job
+from service.models import GpuAllocation, Job, NodeRun, Worker, utcnow
+from service.scheduler.placement import Host, QueuedJob, plan
+from service.workers import repository as workers_repo
+
+log = logging.getLogger("torchjobs.scheduler")
+ADVISORY_KEY = 0x746A6F6273  # "tjobs"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Dispatch:
+    job_id: int
+    attempt: int
+    node_rank: int
+    worker: str
+
+
+Dispatcher = Callable[[list[Dispatch]], None]
+
+
+def run_pass(db: Database, settings: Settings, dispatch: Dispatcher) -> list[Dispatch]:
+    try:
+        with db.transaction() as session:
+            if (
+                db.is_postgres
+                and not session.execute(
+                    text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_KEY}
+                ).scalar_one()
+            ):
+                return []
+            reap(session, settings)
+            sent = place(session, settings)
+    except (IntegrityError, OperationalError) as exc:
+        log.warning("scheduler pass rolled back: %s", exc.__class__.__name__)
+        return []
+    if sent:
+        dispatch(sent)
+    return sent
+
+
+def reap(session: Session, settings: Settings) -> None:
+    """Workers silent past the timeout go offline; their nodes are lost; their jobs retry or fail."""
+    now = utcnow()
+    for worker in workers_repo.stale_online(session, now - timedelta(seconds=settings.heartbeat_timeout_s)):
+        worker.state = "offline"
+        log.warning("worker %s missed its heartbeats: offline", worker.name)
+    sessions = {w.name: (w.state, w.session) for w in session.execute(select(Worker)).scalars()}
+    runs = session.execute(select(NodeRun).where(NodeRun.state.in_(NODE_ACTIVE))).scalars().all()
+    for run in runs:
+        state, current = sessions.get(run.worker_name, ("offline", None))
+        gone = state == "offline" or (run.state == "running" and run.worker_session != current)
+        late = (
+            run.state == "pending" and (now - run.created_at).total_seconds() > settings.rendezvous_timeout_s
+        )
+        if gone or late:
+            _lose_node(session, run, "worker lost" if gone else f"node {run.node_rank} did not start in time")
+    for job in session.execute(select(Job).where(Job.state == CANCELLING)).scalars().all():
+        if all(r.state != "running" for r in runs_of(session, job.id, job.attempt)):
+            cancel_pending_nodes(session, job)
+
+
+def _lose_node(session: Session, run: NodeRun, reason: str) -> None:
+    job = lock_job(session, run.job_id)
+    if job is None:
+        return
+    if job.attempt != run.attempt or job.state not in ACTIVE:
+        run.state, run.finished_at = "lost", utcnow()
+        return
+    run.state, run.finished_at, run.error = "lost", utcnow(), reason
+    if job.state == CANCELLING:
+        cancel_pending_nodes(session, job)
+        return
+    detail = f"{reason}: node {run.node_rank} on worker {run.worker_name}"
+    end_attempt(session, job, None, detail, retryable=True)
+
+
+def place(session: Session, settings: Settings) -> list[Dispatch]:
+    query = select(Job).where(Job.state == QUEUED).order_by(Job.priority.desc(), Job.id).limit(5000)
+    if session.get_bind().dialect.name == "postgresql":
+        query = query.with_for_update(skip_locked=True)
+    jobs = session.execute(query).scalars().all()
+    if not jobs:
+        return []
+    workers = {w.name: w for w in session.execute(select(Worker).where(Worker.state == "online")).scalars()}
+    used: dict[str, set[int]] = {}
+    for alloc in session.execute(select(GpuAllocation)).scalars():
+        used.setdefault(alloc.worker_name, set()).add(alloc.gpu_index)
+    hosts = [
+        Host(name=n, free=tuple(i for i in range(w.gpus) if i not in used.get(n, set())))
+        for n, w in workers.items()
+    ]
+    now = utcnow()
+    queued = [
+        QueuedJob(
+            id=j.id,
+            priority=j.priority,
+            nodes=j.nodes,
+            gpus_per_node=j.gpus_per_node,
+            waited_s=(now - j.queued_at).total_seconds(),
+        )
+        for j in jobs
+    ]
+    decision = plan(queued, hosts, settings.starvation_s)
+    by_id = {j.id: j for j in jobs}
+    for job_id, reason in decision.pending_reasons.items():
+        if not workers:
+            reason = "no worker is online"
+        if by_id[job_id].pending_reason != reason:
+            by_id[job_id].pending_reason = reason
+    sent: list[Dispatch] = []
+    busy_ports = _ports_in_use(session)
+    for job_id, nodes in decision.placements.items():
+        job = by_id[job_id]
+        job.master_port = _pick_port(settings, busy_ports.setdefault(nodes[0].host, set()))
+        job.pending_reason = None
+        open_attempt(session, job)
+        for node in nodes:
+            session.add_all(
+                GpuAllocation(worker_name=node.host, gpu_index=g, job_id=job.id) for g in node.gpus
+            )
+            session.add(
+                NodeRun(
+                    job_id=job.id,
+                    attempt=job.attempt,
+                    node_rank=node.node_rank,
+                    worker_name=node.host,
+                    gpus=list(node.gpus),
+                    address=workers[node.host].address,
+                )
+            )
+            sent.append(
+                Dispatch(job_id=job.id, attempt=job.attempt, node_rank=node.node_rank, worker=node.host)
+            )
+        session.flush()
+        hosts_desc = ", ".join(f"{n.host}{list(n.gpus)}" for n in nodes)
+        transition_job(session, job, SCHEDULED, f"placed on {hosts_desc}")
+    return sent
+
+
+def _ports_in_use(session: Session) -> dict[str, set[int]]:
+    rows = session.execute(
+        select(NodeRun.worker_name, Job.master_port)
+        .join(Job, (Job.id == NodeRun.job_id) & (Job.attempt == NodeRun.attempt))
+        .where(Job.state.in_(ACTIVE), NodeRun.node_rank == 0, Job.master_port.is_not(None))
+    ).all()
+    busy: dict[str, set[int]] = {}
+    for worker, port in rows:
+        busy.setdefault(worker, set()).add(port)
+    return busy
+
+
+def _pick_port(settings: Settings, busy: set[int]) -> int:
+    """Random in the configured span, avoiding ports of this host's live jobs (and recent ones)."""
+    base, span = settings.master_port_base, settings.master_port_span
+    for _ in range(span):
+        port = base + random.randrange(span)
+        if port not in busy:
+            busy.add(port)
+            return port
+    raise RuntimeError("no free rendezvous port")
+
+
+class SchedulerThread(threading.Thread):
+    """Runs passes every `scheduler_interval_s`, or at once when `wake()` is called."""
+
+    def __init__(self, db: Database, settings: Settings, dispatch: Dispatcher) -> None:
+        super().__init__(name="torchjobs-scheduler", daemon=True)
+        self.db, self.settings, self.dispatch = db, settings, dispatch
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                run_pass(self.db, self.settings, self.dispatch)
+            except Exception:  # keep scheduling whatever one pass hit
+                log.exception("scheduler pass failed")
+            self._wake.wait(self.settings.scheduler_interval_s)
+            self._wake.clear()
+
+
+__all__ = ["SCHEDULED", "Dispatch", "SchedulerThread", "place", "reap", "run_pass"]

@@ -1,0 +1,66 @@
+"""All SQL about worker hosts and their GPU slots."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.models import GpuAllocation, Worker
+
+
+def all_workers(session: Session) -> Sequence[Worker]:
+    return session.execute(select(Worker).order_by(Worker.name)).scalars().all()
+
+
+def allocations(session: Session) -> Sequence[GpuAllocation]:
+    return session.execute(select(GpuAllocation)).scalars().all()
+
+
+def upsert_worker(
+    session: Session, *, name: str, address: str, accelerator: str, gpus: int, session_id: str, now: datetime
+) -> None:
+    worker = session.get(Worker, name, with_for_update=True)
+    if worker is None:
+        session.add(
+            Worker(
+                name=name,
+                address=address,
+                accelerator=accelerator,
+                gpus=gpus,
+                state="online",
+                session=session_id,
+                last_heartbeat=now,
+                started_at=now,
+            )
+        )
+        return
+    worker.address, worker.accelerator, worker.gpus = address, accelerator, gpus
+    worker.state, worker.session, worker.last_heartbeat, worker.started_at = "online", session_id, now, now
+
+
+def heartbeat(session: Session, name: str, session_id: str, now: datetime) -> bool:
+    """False when another process has taken this worker's name over (a newer session)."""
+    result = session.execute(
+        update(Worker)
+        .where(Worker.name == name, Worker.session == session_id)
+        .values(last_heartbeat=now, state="online")
+    )
+    return result.rowcount == 1
+
+
+def mark_offline(session: Session, name: str, session_id: str | None = None) -> None:
+    query = update(Worker).where(Worker.name == name)
+    if session_id is not None:
+        query = query.where(Worker.session == session_id)
+    session.execute(query.values(state="offline"))
+
+
+def stale_online(session: Session, before: datetime) -> Sequence[Worker]:
+    return (
+        session.execute(select(Worker).where(Worker.state == "online", Worker.last_heartbeat < before))
+        .scalars()
+        .all()
+    )

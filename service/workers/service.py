@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from service.workers import repository as repo
+from service.workers.schemas import WorkerList, WorkerOut
+
+
+def list_workers(session: Session) -> WorkerList:
+    used: dict[str, set[int]] = {}
+    jobs: dict[str, set[int]] = {}
+    for alloc in repo.allocations(session):
+        used.setdefault(alloc.worker_name, set()).add(alloc.gpu_index)
+        jobs.setdefault(alloc.worker_name, set()).add(alloc.job_id)
+    return WorkerList(
+        items=[
+            WorkerOut(
+                name=w.name,
+                address=w.address,
+                accelerator=w.accelerator,
+                gpus=w.gpus,
+                gpus_free=max(0, w.gpus - len(used.get(w.name, ()))) if w.state == "online" else 0,
+                state=w.state,
+                last_heartbeat=w.last_heartbeat,
+                jobs=sorted(jobs.get(w.name, ())),
+            )
+            for w in repo.all_workers(session)
+        ]
+    )

@@ -1,0 +1,131 @@
+"""The `torchjobs worker` process: announce the host, heartbeat, consume its own queue.
+
+Each worker consumes only `worker.<name>`, so the scheduler's placement decides exactly which
+host runs which node. Concurrency is one thread per GPU slot: a node task mostly waits on its
+torchrun process. On shutdown the running nodes are stopped (their ranks get SIGTERM and
+checkpoint) and reported as lost, so their jobs retry where retries are allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+
+from celery import signals
+
+from service.config import Settings
+from service.db import Database
+from service.models import utcnow
+from service.storage import Storage
+from service.workers import repository as workers_repo
+from workers import context
+from workers.celery_app import make_celery, queue_for
+from workers.context import WorkerContext
+from workers.tasks import register_tasks
+
+log = logging.getLogger("torchjobs.worker")
+
+
+def detect_gpus(accelerator: str) -> tuple[str, int]:
+    """'auto' means CUDA when torch sees a device, else CPU slots (one per core, at least 1)."""
+    import os
+
+    if accelerator in ("auto", "cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count or accelerator == "cuda":
+            return "cuda", count
+    return "cpu", max(1, os.cpu_count() or 1)
+
+
+def register(ctx: WorkerContext) -> None:
+    with ctx.db.transaction() as session:
+        workers_repo.upsert_worker(
+            session,
+            name=ctx.name,
+            address=ctx.address,
+            accelerator=ctx.accelerator,
+            gpus=ctx.gpus,
+            session_id=ctx.session_id,
+            now=utcnow(),
+        )
+
+
+class Heartbeat(threading.Thread):
+    def __init__(self, ctx: WorkerContext) -> None:
+        super().__init__(name="torchjobs-heartbeat", daemon=True)
+        self.ctx = ctx
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.ctx.settings.heartbeat_interval_s):
+            try:
+                with self.ctx.db.transaction() as session:
+                    if not workers_repo.heartbeat(session, self.ctx.name, self.ctx.session_id, utcnow()):
+                        log.error("worker %s was taken over by another process", self.ctx.name)
+            except Exception:
+                log.exception("heartbeat failed; will retry")
+
+
+def run_worker(
+    settings: Settings, *, name: str, gpus: int | None, accelerator: str, address: str | None
+) -> None:
+    kind, detected = detect_gpus(accelerator)
+    db = Database(settings)
+    ctx = WorkerContext(
+        settings=settings,
+        db=db,
+        storage=Storage(settings.resolved_storage_url),
+        name=name,
+        session_id=uuid.uuid4().hex,
+        address=address or _default_address(),
+        accelerator=kind,
+        gpus=gpus if gpus is not None else detected,
+    )
+    context.set_current(ctx)
+    register(ctx)
+    beat = Heartbeat(ctx)
+    beat.start()
+    app = make_celery(settings)
+    register_tasks(app)
+
+    @signals.worker_shutting_down.connect
+    def _on_shutdown(**_: object) -> None:
+        ctx.shutdown.set()
+
+    log.info("worker %s: %s x%s at %s", name, ctx.accelerator, ctx.gpus, ctx.address)
+    try:
+        app.worker_main(
+            [
+                "worker",
+                "-Q",
+                queue_for(name),
+                "-P",
+                "threads",
+                "-c",
+                str(max(1, ctx.gpus)),
+                "-n",
+                f"{name}@{socket.gethostname()}",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-l",
+                "INFO",
+            ]
+        )
+    finally:
+        ctx.shutdown.set()
+        beat.stopped.set()
+        with db.transaction() as session:
+            workers_repo.mark_offline(session, name, ctx.session_id)
+        db.dispose()
+
+
+def _default_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

@@ -1,0 +1,54 @@
+"""The Celery app: it only delivers work. All state lives in the database.
+
+Settings for hour-long tasks: late acknowledgement and a prefetch of one, so a worker never
+holds messages it cannot start; a visibility timeout far longer than any job — and the node
+task is idempotent anyway (a re-delivered message for an attempt already claimed does
+nothing), so correctness does not depend on it. The embedded broker is kombu's filesystem
+transport: a folder under TORCHJOBS_HOME, no server.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from service.config import Settings
+
+RUN_NODE = "torchjobs.run_node"
+
+
+def queue_for(worker_name: str) -> str:
+    return f"worker.{worker_name}"
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("torchjobs", broker=settings.resolved_broker_url)
+    transport_options: dict[str, object] = {"visibility_timeout": 7 * 24 * 3600}
+    if settings.resolved_broker_url.startswith("filesystem"):
+        folder = settings.broker_folder
+        for sub in ("queue", "processed"):
+            (folder / sub).mkdir(parents=True, exist_ok=True)
+        transport_options = {
+            "data_folder_in": str(folder / "queue"),
+            "data_folder_out": str(folder / "queue"),
+            "processed_folder": str(folder / "processed"),
+            "store_processed": False,
+        }
+    app.conf.update(
+        broker_transport_options=transport_options,
+        broker_connection_retry_on_startup=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=False,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        result_backend=None,
+        task_serializer="json",
+        accept_content=["json"],
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        broker_heartbeat=0,
+    )
+    return app
+
+
+def send_node(app: Celery, *, job_id: int, attempt: int, node_rank: int, worker: str) -> None:
+    app.send_task(RUN_NODE, args=[job_id, attempt, node_rank], queue=queue_for(worker))

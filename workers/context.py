@@ -1,0 +1,37 @@
+"""The identity and handles of one worker process, built once at start and passed to tasks."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from service.config import Settings
+from service.db import Database
+from service.storage import Storage
+
+
+@dataclass(kw_only=True)
+class WorkerContext:
+    settings: Settings
+    db: Database
+    storage: Storage
+    name: str
+    session_id: str
+    address: str
+    accelerator: str
+    gpus: int
+    shutdown: threading.Event = field(default_factory=threading.Event)
+
+
+_current: WorkerContext | None = None
+
+
+def set_current(ctx: WorkerContext) -> None:
+    global _current
+    _current = ctx
+
+
+def current() -> WorkerContext:
+    if _current is None:
+        raise RuntimeError("this process is not a torchjobs worker")
+    return _current

@@ -1,0 +1,192 @@
+"""Run one node's torchrun in its own process group, watch it, stop it, and report.
+
+The supervisor reads the ranks' logs, events and checkpoints as they appear, polls the job's
+state in the database (that is how a cancel or the failure of another node reaches it: no
+Celery remote control), and on a stop sends SIGTERM to the whole group, then SIGKILL after
+the grace period. When the agent exits, anything left in its group is killed too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from service.jobs.lifecycle import NodeOutcome
+from service.jobs.states import CANCELLING
+from workers.launcher.command import LaunchPlan, config_json, processes_per_node
+from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
+from workers.launcher.ingest import CheckpointWatcher, EventsTail, RankLogs, epoch_from_name
+from workers.reporter import Batch, NodeKey
+
+log = logging.getLogger("torchjobs.worker")
+POLL_S = 0.25
+CONTROL_EVERY_S = 1.0
+BATCH_EVERY_S = 0.5
+
+
+@dataclass
+class Hooks:
+    """The supervisor's only ways out: injected so unit tests can drive it without a database."""
+
+    write_batch: Callable[[Batch], None]
+    record_checkpoint: Callable[[Any, dict[str, Any] | None], None]
+    job_control: Callable[[], tuple[str, int] | None]
+
+
+class NodeSupervisor:
+    def __init__(
+        self,
+        *,
+        key: NodeKey,
+        plan: LaunchPlan,
+        mode: str,
+        gpus: int,
+        hooks: Hooks,
+        grace_s: float,
+        shutdown: threading.Event,
+    ) -> None:
+        self.key, self.plan, self.hooks, self.grace_s, self.shutdown = key, plan, hooks, grace_s, shutdown
+        paths = plan.paths
+        nproc = processes_per_node(mode, gpus)
+        self.rank_logs = [RankLogs(paths.logs, r) for r in range(nproc)]
+        self.events = EventsTail(paths.events)
+        self.checkpoints = CheckpointWatcher(paths.checkpoints)
+        self.ckpt_meta: dict[str, dict[str, Any]] = {}
+        self.pending = Batch()
+        self.stop_reason: str | None = None
+
+    def prepare(self) -> None:
+        paths = self.plan.paths
+        for folder in (paths.run_dir, paths.checkpoints, paths.logs, paths.tmp):
+            folder.mkdir(parents=True, exist_ok=True)
+        if self.plan.config is not None:
+            paths.config.write_text(config_json(self.plan))
+
+    def run(self) -> NodeOutcome:
+        self.prepare()
+        with open(self.plan.paths.agent_log, "wb") as agent_out:
+            proc = subprocess.Popen(
+                self.plan.argv,
+                env=self.plan.env,
+                cwd=self.plan.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=agent_out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                rc = self._watch(proc)
+            finally:
+                _kill_group(proc.pid, signal.SIGKILL)
+        self._ingest(final=True)
+        return self._outcome(rc)
+
+    def _watch(self, proc: subprocess.Popen[bytes]) -> int:
+        last_control = last_batch = 0.0
+        while True:
+            rc = proc.poll()
+            now = time.monotonic()
+            if now - last_batch >= BATCH_EVERY_S or rc is not None:
+                self._ingest(final=False)
+                last_batch = now
+            if rc is not None:
+                return rc
+            if self.stop_reason is None and now - last_control >= CONTROL_EVERY_S:
+                last_control = now
+                self.stop_reason = self._should_stop()
+                if self.stop_reason is not None:
+                    return self._stop(proc)
+            time.sleep(POLL_S)
+
+    def _should_stop(self) -> str | None:
+        if self.shutdown.is_set():
+            return "shutdown"
+        control = self.hooks.job_control()
+        if control is None:
+            return "gone"
+        state, attempt = control
+        if attempt != self.key.attempt:
+            return "superseded"
+        if state == CANCELLING:
+            return "cancel"
+        if state in ("succeeded", "failed", "cancelled", "queued"):
+            return "superseded"
+        return None
+
+    def _stop(self, proc: subprocess.Popen[bytes]) -> int:
+        log.info("job %s node %s: stopping (%s)", self.key.job_id, self.key.node_rank, self.stop_reason)
+        _kill_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            self._ingest(final=False)
+            time.sleep(POLL_S)
+        _kill_group(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+    def _ingest(self, final: bool) -> None:
+        batch = Batch()
+        for logs in self.rank_logs:
+            offset, data = logs.read_new()
+            if data:
+                batch.logs.append((logs.local_rank, offset, data))
+        for event in self.events.read_new():
+            if event.get("type") == "checkpoint" and isinstance(event.get("file"), str):
+                self.ckpt_meta[event["file"]] = event
+            else:
+                batch.events.append(event)
+        self.hooks.write_batch(batch)
+        for found in self.checkpoints.poll(final=final):
+            meta = self.ckpt_meta.get(found.path.name) or {"epoch": epoch_from_name(found.path.name)}
+            try:
+                self.hooks.record_checkpoint(found.path, meta)
+            except OSError:
+                log.exception("job %s: could not store checkpoint %s", self.key.job_id, found.path.name)
+
+    def _outcome(self, rc: int) -> NodeOutcome:
+        if self.stop_reason == "cancel":
+            return NodeOutcome(state="cancelled", exit_code=rc)
+        if self.stop_reason in ("superseded", "gone"):
+            return NodeOutcome(state="lost", exit_code=rc, error="stopped: the attempt ended elsewhere")
+        if self.stop_reason == "shutdown":
+            return NodeOutcome(state="lost", exit_code=rc, error="worker shut down", retryable=True)
+        if rc == 0:
+            return NodeOutcome(state="succeeded", exit_code=0)
+        return self._failure(rc)
+
+    def _failure(self, rc: int) -> NodeOutcome:
+        agent_text = tail(self.plan.paths.agent_log, lines=400)
+        cause = root_cause(agent_text)
+        logs = (
+            self.rank_logs[cause.local_rank]
+            if cause.local_rank is not None and cause.local_rank < len(self.rank_logs)
+            else None
+        )
+        trace = read_error_file(logs.error_file()) if logs else None
+        stderr_tail = tail(logs.stderr_path()) if logs else ""
+        where = f"node {self.key.node_rank}"
+        if cause.rank is not None:
+            where += f", rank {cause.rank} (local rank {cause.local_rank})"
+        code = cause.exit_code if cause.exit_code is not None else rc
+        body = trace or stderr_tail or tail(self.plan.paths.agent_log, lines=20)
+        error = f"{where} exited with code {code}\n{body}".strip()
+        retry = is_retryable(code, error + agent_text, signalled_by_us=False)
+        return NodeOutcome(state="failed", exit_code=code, error=error[-16000:], retryable=retry)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.plan.paths.run_dir, ignore_errors=True)
+
+
+def _kill_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)

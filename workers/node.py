@@ -1,0 +1,145 @@
+"""One node of one attempt, from claim to report: what the Celery task runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+
+from service.errors import InvalidSpec
+from service.jobs.lifecycle import NodeOutcome, claim_node, runs_of
+from service.jobs.validation import resolve_script
+from service.models import Checkpoint
+from workers import reporter
+from workers.context import WorkerContext
+from workers.launcher.command import NodeLaunch, build_launch
+from workers.launcher.supervisor import Hooks, NodeSupervisor
+from workers.reporter import NodeKey
+
+log = logging.getLogger("torchjobs.worker")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claimed:
+    launch_fields: dict[str, object]
+    resume: tuple[int, str, str] | None  # (checkpoint id, storage key, sha256)
+
+
+def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> str:
+    key = NodeKey(job_id=job_id, attempt=attempt, node_rank=node_rank)
+    claimed = _claim(ctx, key)
+    if claimed is None:
+        log.info(
+            "job %s attempt %s node %s: nothing to do (repeat or stale message)", job_id, attempt, node_rank
+        )
+        return "skipped"
+    run_dir = ctx.settings.runs_dir / f"job-{job_id}" / f"attempt-{attempt}" / f"node-{node_rank}"
+    supervisor = None
+    try:
+        launch = _launch(ctx, key, claimed, run_dir)
+        supervisor = NodeSupervisor(
+            key=key,
+            plan=build_launch(launch),
+            mode=launch.mode,
+            gpus=len(launch.gpus),
+            hooks=Hooks(
+                write_batch=lambda b: reporter.write_batch(ctx.db, key, b),
+                record_checkpoint=lambda p, m: reporter.record_checkpoint(ctx.db, ctx.storage, key, p, m),
+                job_control=lambda: reporter.job_control(ctx.db, job_id),
+            ),
+            grace_s=ctx.settings.cancel_grace_s,
+            shutdown=ctx.shutdown,
+        )
+        outcome = supervisor.run()
+    except InvalidSpec as exc:
+        outcome = NodeOutcome(state="failed", error=f"node {node_rank}: {exc.detail[0]['msg']}")
+    except _ResumeError as exc:
+        outcome = NodeOutcome(state="failed", error=f"node {node_rank}: {exc}")
+    except Exception as exc:  # the node must always report, whatever broke
+        log.exception("job %s node %s crashed in the supervisor", job_id, node_rank)
+        outcome = NodeOutcome(state="failed", error=f"node {node_rank}: worker error: {exc}", retryable=True)
+    reporter.record_end(ctx.db, key, outcome)
+    if supervisor is not None:
+        supervisor.cleanup()
+    log.info("job %s attempt %s node %s ended: %s", job_id, attempt, node_rank, outcome.state)
+    return outcome.state
+
+
+def _claim(ctx: WorkerContext, key: NodeKey) -> Claimed | None:
+    with ctx.db.transaction() as session:
+        job = claim_node(session, key.job_id, key.attempt, key.node_rank, ctx.session_id)
+        if job is None:
+            return None
+        runs = {r.node_rank: r for r in runs_of(session, job.id, key.attempt)}
+        latest = session.execute(
+            select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.id.desc()).limit(1)
+        ).scalar_one_or_none()
+        if latest is None and job.resume_checkpoint_id is not None:
+            latest = session.get(Checkpoint, job.resume_checkpoint_id)
+        fields = dict(
+            job_id=job.id,
+            attempt=key.attempt,
+            node_rank=key.node_rank,
+            nnodes=job.nodes,
+            mode=job.mode,
+            gpus=tuple(runs[key.node_rank].gpus),
+            master_addr=runs[0].address,
+            master_port=job.master_port,
+            entrypoint=job.entrypoint,
+            hyperparameters=job.hyperparameters,
+            user_env=dict(job.env or {}),
+        )
+        resume = (latest.id, latest.storage_key, latest.sha256) if latest else None
+        return Claimed(launch_fields=fields, resume=resume)
+
+
+class _ResumeError(Exception):
+    pass
+
+
+def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -> NodeLaunch:
+    fields = claimed.launch_fields
+    entry = fields["entrypoint"]
+    script = None
+    if isinstance(entry, dict) and entry.get("kind") == "script":
+        script = str(resolve_script(str(entry["path"]), ctx.settings.script_root_paths))
+    resume_path = _fetch_resume(ctx, claimed.resume) if claimed.resume else None
+    master_addr = str(fields.pop("master_addr"))
+    if fields["nnodes"] == 1:
+        master_addr = "127.0.0.1"
+    return NodeLaunch(
+        **fields,  # type: ignore[arg-type]
+        master_addr=master_addr,
+        accelerator=ctx.accelerator,
+        script_path=script,
+        run_dir=run_dir,
+        python=sys.executable,
+        rendezvous_timeout_s=int(ctx.settings.rendezvous_timeout_s),
+        resume_path=resume_path,
+        base_env=dict(os.environ),
+    )
+
+
+def _fetch_resume(ctx: WorkerContext, resume: tuple[int, str, str]) -> str:
+    """A verified local copy, cached by content hash so retries and repeats fetch once."""
+    ckpt_id, storage_key, sha = resume
+    cache = ctx.settings.cache_dir / "checkpoints"
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"{sha}.pt"
+    if target.exists():
+        return str(target)
+    partial = cache / f".{sha}.{ckpt_id}.partial"
+    try:
+        got = ctx.storage.download_to(storage_key, str(partial))
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise _ResumeError(f"could not fetch checkpoint {ckpt_id}: {exc.__class__.__name__}") from exc
+    if got != sha:
+        partial.unlink(missing_ok=True)
+        raise _ResumeError(f"checkpoint {ckpt_id} failed its SHA-256 check")
+    partial.replace(target)
+    return str(target)

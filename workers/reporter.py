@@ -1,0 +1,134 @@
+"""What a node writes to the database: log chunks and events in batches, checkpoints, its end.
+
+One transaction per batch, however many lines or reports it holds: a burst of output is
+coalesced, never one transaction per line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from service.db import Database
+from service.jobs.lifecycle import NodeOutcome, finish_node
+from service.jobs.states import append_event, lock_job
+from service.models import Checkpoint, Job, LogChunk
+from service.schemas import checkpoint_out
+from service.storage import Storage
+
+log = logging.getLogger("torchjobs.worker")
+MAX_CHUNK = 256 * 1024
+PROGRESS_FIELDS = (
+    "epoch",
+    "epochs",
+    "step",
+    "total_steps",
+    "loss",
+    "samples_per_sec",
+    "val_loss",
+    "val_accuracy",
+)
+
+
+@dataclass
+class Batch:
+    logs: list[tuple[int, int, bytes]] = field(default_factory=list)  # (local_rank, offset, data)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.logs or self.events)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeKey:
+    job_id: int
+    attempt: int
+    node_rank: int
+
+
+def write_batch(db: Database, key: NodeKey, batch: Batch) -> None:
+    if not batch:
+        return
+    with db.transaction() as session:
+        for local_rank, offset, data in batch.logs:
+            for i in range(0, len(data), MAX_CHUNK):
+                session.add(
+                    LogChunk(
+                        job_id=key.job_id,
+                        attempt=key.attempt,
+                        node_rank=key.node_rank,
+                        local_rank=local_rank,
+                        offset=offset + i,
+                        data=data[i : i + MAX_CHUNK],
+                    )
+                )
+        progress = [e for e in batch.events if e.get("type", "progress") == "progress"]
+        if not progress:
+            return
+        job = lock_job(session, key.job_id)
+        if job is None or job.attempt != key.attempt:
+            return
+        for event in progress:
+            data = _clean(event)
+            append_event(session, job.id, "progress", data)
+            job.progress = {**(job.progress or {}), **{k: data[k] for k in PROGRESS_FIELDS if k in data}}
+
+
+def _clean(event: dict[str, Any]) -> dict[str, Any]:
+    """Keep JSON-safe scalars only; NaN and infinities become null."""
+    out: dict[str, Any] = {}
+    for k, v in event.items():
+        if k in ("type", "ts") or not isinstance(k, str):
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[k[:64]] = v[:1000] if isinstance(v, str) else v
+    return out
+
+
+def record_checkpoint(
+    db: Database, storage: Storage, key: NodeKey, path: Path, meta: dict[str, Any] | None
+) -> int | None:
+    """Upload first (outside any transaction), then record the row and its event together."""
+    storage_key = f"jobs/{key.job_id}/attempt-{key.attempt}/{path.name}"
+    size, sha = storage.put_file(str(path), storage_key)
+    meta = meta or {}
+    with db.transaction() as session:
+        job = session.execute(select(Job).where(Job.id == key.job_id)).scalar_one_or_none()
+        if job is None:
+            storage.delete(storage_key)
+            return None
+        ckpt = Checkpoint(
+            owner_id=job.owner_id,
+            job_id=job.id,
+            attempt=key.attempt,
+            name=path.name,
+            epoch=meta.get("epoch"),
+            step=meta.get("step"),
+            size_bytes=size,
+            sha256=sha,
+            storage_key=storage_key,
+            metrics=meta.get("metrics") or {},
+        )
+        session.add(ckpt)
+        session.flush()
+        append_event(session, job.id, "checkpoint", checkpoint_out(ckpt).model_dump(mode="json"))
+        return ckpt.id
+
+
+def record_end(db: Database, key: NodeKey, outcome: NodeOutcome) -> None:
+    with db.transaction() as session:
+        finish_node(session, key.job_id, key.attempt, key.node_rank, outcome)
+
+
+def job_control(db: Database, job_id: int) -> tuple[str, int] | None:
+    """The job's (state, attempt), read without a lock: what a supervisor polls."""
+    with db.sessionmaker() as session:
+        row = session.execute(select(Job.state, Job.attempt).where(Job.id == job_id)).one_or_none()
+        return (row.state, row.attempt) if row else None
