@@ -12,11 +12,15 @@ from fastapi.responses import JSONResponse
 from service import __version__
 from service.api.limits import BodyLimitMiddleware
 from service.auth.tokens import ensure_admin
+from service.checkpoints.router import router as checkpoints_router
 from service.config import Settings
+from service.dashboard.router import router as dashboard_router
 from service.db import Database
 from service.errors import TorchJobsError
 from service.jobs.router import router as jobs_router
+from service.metrics.router import router as metrics_router
 from service.scheduler.loop import Dispatch, SchedulerThread
+from service.streams.router import router as streams_router
 from service.users.router import router as users_router
 from service.workers.router import router as workers_router
 
@@ -59,7 +63,16 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    for router in (jobs_router, users_router, workers_router):
+    routers = (
+        jobs_router,
+        streams_router,
+        checkpoints_router,
+        users_router,
+        workers_router,
+        metrics_router,
+        dashboard_router,
+    )
+    for router in routers:
         app.include_router(router)
     return app
 

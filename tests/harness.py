@@ -1,0 +1,196 @@
+"""Real torchjobs processes for tests: `torchjobs up`, or `db upgrade` + `server` + `worker`s.
+
+Nothing here is mocked: the stack is the installed `torchjobs` command, run as subprocesses
+against a real SQLite file or a real PostgreSQL database and Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+PG_ADMIN_URL = os.environ.get("TORCHJOBS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("TORCHJOBS_TEST_REDIS", "redis://127.0.0.1:6379")
+ADMIN_TOKEN = "tj_test_admin_token_0123456789abcdef"
+TERMINAL = ("succeeded", "failed", "cancelled")
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def create_pg_database() -> str:
+    """A fresh, empty PostgreSQL database; returns its URL."""
+    import psycopg
+
+    name = f"tj_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+
+
+def drop_pg_database(url: str) -> None:
+    import psycopg
+
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def torchjobs_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "service.cli.main", *args]
+
+
+@dataclass
+class Stack:
+    """A running torchjobs deployment under one TORCHJOBS_HOME."""
+
+    home: Path
+    env: dict[str, str]
+    port: int
+    embedded: bool
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, token: str = ADMIN_TOKEN) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    def _spawn(self, key: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
+        log = open(self.home / f"{key}.log", "ab")
+        self.procs[key] = subprocess.Popen(
+            torchjobs_cmd(*args), env={**self.env, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def start_server(self) -> None:
+        if self.embedded:
+            self._spawn("up", ["up", "--port", str(self.port), "--gpus", "2", "--accelerator", "cpu"])
+        else:
+            self._spawn("server", ["server", "--port", str(self.port)])
+        wait_for(self._healthy, 60, "the API server")
+
+    def start_worker(self, name: str, gpus: int = 2, address: str = "127.0.0.1",
+                     extra_env: dict[str, str] | None = None) -> None:
+        args = ["worker", "--name", name, "--gpus", str(gpus), "--accelerator", "cpu", "--address", address]
+        self._spawn(f"worker-{name}", args, extra_env)
+        self.wait_worker_online(name)
+
+    def wait_worker_online(self, name: str, timeout: float = 60) -> None:
+        def online() -> bool:
+            with self.client() as c:
+                items = c.get("/v1/workers").json()["items"]
+            return any(w["name"] == name and w["state"] == "online" for w in items)
+
+        wait_for(online, timeout, f"worker {name} online")
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self, key: str, sig: int = signal.SIGKILL) -> None:
+        """Kill a process and its whole session (the worker and every torchrun it started)."""
+        proc = self.procs.pop(key)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=60)
+
+    def stop(self) -> None:
+        for key in list(self.procs):
+            proc = self.procs[key]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for key, proc in list(self.procs.items()):
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            self.procs.pop(key)
+
+    def submit(self, spec: dict[str, Any], token: str = ADMIN_TOKEN) -> dict[str, Any]:
+        with self.client(token) as c:
+            resp = c.post("/v1/jobs", json=spec)
+        assert resp.status_code == 201, resp.text
+        return resp.json()
+
+    def wait_job(self, job_id: int, timeout: float = 240, states: tuple[str, ...] = TERMINAL) -> dict[str, Any]:
+        def done() -> dict[str, Any] | None:
+            with self.client() as c:
+                job = c.get(f"/v1/jobs/{job_id}").json()
+            return job if job["state"] in states else None
+
+        return wait_for(done, timeout, f"job {job_id} to reach {states}", interval=0.5)
+
+    def events(self, job_id: int) -> list[dict[str, Any]]:
+        with self.client() as c:
+            return c.get(f"/v1/jobs/{job_id}/events").json()["items"]
+
+    def logs_of(self, key: str) -> str:
+        return (self.home / f"{key}.log").read_text(errors="replace")
+
+
+def make_env(home: Path, **overrides: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHJOBS_")}
+    env.update(
+        TORCHJOBS_HOME=str(home),
+        TORCHJOBS_ADMIN_TOKEN=ADMIN_TOKEN,
+        TORCHJOBS_SCRIPT_ROOTS=str(SCRIPTS),
+        TORCHJOBS_HEARTBEAT_INTERVAL_S="1",
+        TORCHJOBS_HEARTBEAT_TIMEOUT_S="6",
+        TORCHJOBS_CANCEL_GRACE_S="5",
+        TORCHJOBS_SCHEDULER_INTERVAL_S="0.5",
+        OMP_NUM_THREADS="1",
+    )
+    env.update(overrides)
+    return env
+
+
+def embedded_stack(home: Path) -> Stack:
+    stack = Stack(home=home, env=make_env(home), port=free_port(), embedded=True)
+    stack.start_server()
+    stack.wait_worker_online("local")
+    return stack
+
+
+def production_stack(home: Path, pg_url: str, redis_url: str, workers: dict[str, int] | None = None) -> Stack:
+    env = make_env(home, TORCHJOBS_DATABASE_URL=pg_url, TORCHJOBS_BROKER_URL=redis_url,
+                   TORCHJOBS_STORAGE_URL=f"file://{home / 'shared-storage'}")
+    subprocess.run(torchjobs_cmd("db", "upgrade"), env=env, check=True, capture_output=True)
+    stack = Stack(home=home, env=env, port=free_port(), embedded=False)
+    stack.start_server()
+    for name, gpus in (workers if workers is not None else {"w1": 2}).items():
+        stack.start_worker(name, gpus)
+    return stack
