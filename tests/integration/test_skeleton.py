@@ -1,0 +1,99 @@
+"""Issue 2: jobs go from POST to a finished torchrun on both setups, through real processes.
+
+`embedded` is the real `torchjobs up` (SQLite, filesystem broker, local worker); `production`
+is `torchjobs db upgrade` + `server` + `worker` on PostgreSQL and Redis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from tests.harness import Stack
+
+BUILTIN = {"kind": "builtin", "model": "cnn", "dataset": "digits"}
+HYPER = {"epochs": 2, "batch_size": 64, "num_workers": 0, "report_every": 5}
+
+
+@pytest.fixture(params=["embedded", "production"])
+def stack(request: pytest.FixtureRequest) -> Stack:
+    return request.getfixturevalue(request.param)
+
+
+def states_of(events: list[dict]) -> list[str]:
+    return [e["data"]["state"] for e in events if e["type"] == "state"]
+
+
+@pytest.mark.parametrize(("mode", "gpus"), [("single", 1), ("ddp", 2)])
+def test_builtin_job_runs_to_success(stack: Stack, mode: str, gpus: int, tmp_path) -> None:
+    job = stack.submit({"name": f"digits-{mode}", "mode": mode, "gpus_per_node": gpus, "entrypoint": BUILTIN,
+                        "hyperparameters": HYPER})
+    assert job["state"] == "queued" and job["attempt"] == 1 and job["owner"] == "admin"
+    done = stack.wait_job(job["id"])
+    assert done["state"] == "succeeded", done["error"]
+    assert done["exit_code"] == 0
+    assert done["progress"]["epoch"] == 2 and done["progress"]["fraction"] == 1.0
+    assert len(done["assignments"]) == 1 and len(done["assignments"][0]["gpus"]) == gpus
+    assert [a["attempt"] for a in done["attempts"]] == [1]
+
+    events = stack.events(job["id"])
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert states_of(events) == ["queued", "scheduled", "running", "succeeded"]
+    epochs_reported = {e["data"]["epoch"] for e in events if e["type"] == "progress"}
+    assert {1, 2} <= epochs_reported  # at least one progress event per epoch
+    checkpoints = [e["data"] for e in events if e["type"] == "checkpoint"]
+    assert [c["epoch"] for c in checkpoints] == [1, 2]
+
+    latest = done["latest_checkpoint"]
+    with stack.client() as c:
+        resp = c.get(latest["download_url"])
+    assert resp.status_code == 200
+    assert hashlib.sha256(resp.content).hexdigest() == latest["sha256"]
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(resp.content)
+    state = torch.load(path, weights_only=True)
+    assert {"state_dict", "optimizer", "epoch", "step", "meta"} <= set(state)
+    assert state["epoch"] == 2
+    assert not any(k.startswith("module.") for k in state["state_dict"]["net"])
+    assert state["meta"]["mode"] == mode
+
+
+def test_failing_script_reports_exit_code_and_stderr(stack: Stack) -> None:
+    job = stack.submit({"mode": "single", "entrypoint": {"kind": "script", "path": "fail.py"}})
+    done = stack.wait_job(job["id"])
+    assert done["state"] == "failed"
+    assert done["exit_code"] == 3
+    assert "the answer was not 42" in done["error"]
+    assert states_of(stack.events(job["id"]))[-1] == "failed"
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"mode": "single", "entrypoint": BUILTIN, "unknown_field": 1}, "unknown_field"),
+        ({"mode": "single", "gpus_per_node": 2, "entrypoint": BUILTIN}, "gpus_per_node"),
+        ({"mode": "dp", "nodes": 2, "entrypoint": BUILTIN}, "nodes"),
+        ({"mode": "single", "entrypoint": BUILTIN, "hyperparameters": {"epochs": 0}}, "epochs"),
+        ({"mode": "ddp", "gpus_per_node": 64, "entrypoint": BUILTIN}, "gpus_per_node"),
+        ({"mode": "single", "entrypoint": {"kind": "script", "path": "../../etc/passwd"}}, "path"),
+    ],
+)
+def test_invalid_spec_is_422_naming_the_field_and_writes_nothing(stack: Stack, spec: dict, field: str) -> None:
+    with stack.client() as c:
+        before = c.get("/v1/jobs", params={"limit": 500}).json()["items"]
+        resp = c.post("/v1/jobs", json=spec)
+        after = c.get("/v1/jobs", params={"limit": 500}).json()["items"]
+    assert resp.status_code == 422
+    assert any(field in [str(p) for p in err["loc"]] for err in resp.json()["detail"]), resp.json()
+    assert [j["id"] for j in after] == [j["id"] for j in before]
+
+
+def test_every_endpoint_needs_a_token(stack: Stack) -> None:
+    import httpx
+
+    assert httpx.get(f"{stack.url}/healthz").json() == {"status": "ok"}
+    for path in ("/v1/jobs", "/v1/jobs/1", "/v1/jobs/1/events", "/v1/workers", "/v1/me"):
+        assert httpx.get(f"{stack.url}{path}").status_code == 401
+        assert httpx.get(f"{stack.url}{path}", headers={"Authorization": "Bearer nope"}).status_code == 401
