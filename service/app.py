@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from service import __version__
+from service.api.deps import UserDep
 from service.api.limits import BodyLimitMiddleware
+from service.api.responses import ERROR_RESPONSES
 from service.auth.tokens import ensure_admin
 from service.checkpoints.router import router as checkpoints_router
 from service.config import Settings
@@ -18,6 +21,7 @@ from service.dashboard.router import router as dashboard_router
 from service.db import Database
 from service.errors import TorchJobsError
 from service.jobs.router import router as jobs_router
+from service.metrics.router import install as install_metrics
 from service.metrics.router import router as metrics_router
 from service.scheduler.loop import Dispatch, SchedulerThread
 from service.streams.router import router as streams_router
@@ -50,18 +54,31 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
                 thread.join(timeout=5)
             db.dispose()
 
-    app = FastAPI(title="torchjobs", version=__version__, lifespan=lifespan)
+    app = FastAPI(
+        title="torchjobs",
+        version=__version__,
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.add_middleware(
         BodyLimitMiddleware,
         default_limit=settings.max_request_bytes,
         upload_limit=settings.max_upload_bytes,
         upload_paths=UPLOAD_PATHS,
     )
+    install_metrics(app)
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(_user: UserDep) -> dict[str, Any]:
+        """The schema too is for token holders only: strangers learn nothing."""
+        return app.openapi()
 
     routers = (
         jobs_router,
@@ -73,7 +90,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         dashboard_router,
     )
     for router in routers:
-        app.include_router(router)
+        app.include_router(router, responses=ERROR_RESPONSES)
     return app
 
 

@@ -6,16 +6,24 @@ Idempotency-Key so that a retried submit can never create a second job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+# Streams: reconnect on any transport failure, and count a connection silent for longer than
+# a few of the server's keep-alive pings (15 s apart) as dropped.
+STREAM_ERRORS = (httpx.TransportError,)
+STREAM_RETRY_S = 1.0
+STREAM_GIVE_UP_S = 60.0
+STREAM_TIMEOUT = httpx.Timeout(10.0, read=60.0)
 _retry_connect = retry(
     retry=retry_if_exception_type((httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError)),
     stop=stop_after_attempt(5),
@@ -85,33 +93,91 @@ class Client:
             time.sleep(poll_s)
 
     def stream_events(self, job_id: int, after: int = 0) -> Iterator[dict[str, Any]]:
-        """Every event after `after`, exactly once, reconnecting with Last-Event-ID on drops."""
-        last = after
+        """Every event after `after`, exactly once and in order, until the job's terminal state
+        event. A dropped or silent connection is resumed with `Last-Event-ID`."""
+        last, failures = after, 0
+        path = f"/v1/jobs/{job_id}/events/stream"
         while True:
             try:
-                with self.http.stream(
-                    "GET",
-                    f"/v1/jobs/{job_id}/events/stream",
-                    headers={"Last-Event-ID": str(last)},
-                    timeout=None,
-                ) as resp:
-                    if resp.status_code != 200:
-                        resp.read()
-                        _json(resp)
-                    for event in _parse_sse(resp.iter_lines()):
+                with self._open_stream(path, {"Last-Event-ID": str(last)}) as resp:
+                    failures = 0
+                    for message in parse_sse(resp.iter_lines()):
+                        event = json.loads(message.data)
+                        if event["seq"] <= last:
+                            continue
                         last = event["seq"]
                         yield event
-                        if event["type"] == "state" and event["data"].get("state") in TERMINAL:
+                        if _is_terminal(event):
                             return
+            except STREAM_ERRORS as exc:
+                failures = _retry_wait(failures, exc)
+                continue
+            # Closed without the terminal event (a server restarting): finished, or resume.
+            if self.get(job_id)["state"] in TERMINAL:
+                for event in self.events(job_id, after=last):
+                    yield event
+                    if _is_terminal(event):
+                        return
                 return
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
-                time.sleep(1)
+
+    def stream_logs(
+        self, job_id: int, node: int = 0, rank: int = 0, offset: int = 0, attempt: int | None = None
+    ) -> Iterator[dict[str, Any]]:
+        """One rank's output as it is stored: `{"type": "log", "offset", "next_offset", "data"}`
+        messages, then one `{"type": "end", "offset", "attempt", "state"}`. A dropped connection
+        resumes at the next offset, on the same attempt."""
+        pos, failures = offset, 0
+        while True:
+            params: dict[str, Any] = {"node": node, "rank": rank, "offset": pos}
+            if attempt is not None:
+                params["attempt"] = attempt
+            try:
+                with self._open_stream(
+                    f"/v1/jobs/{job_id}/logs/stream", {"Last-Event-ID": str(pos)}, params
+                ) as resp:
+                    failures = 0
+                    if attempt is None and resp.headers.get("X-Attempt", "").isdigit():
+                        attempt = int(resp.headers["X-Attempt"])  # pinned: a retry must not splice in
+                    for message in parse_sse(resp.iter_lines()):
+                        body = json.loads(message.data)
+                        if message.event == "end":
+                            yield {"type": "end", **body}
+                            return
+                        if body["next_offset"] <= pos:
+                            continue
+                        pos = body["next_offset"]
+                        yield {"type": "log", **body}
+            except STREAM_ERRORS as exc:
+                failures = _retry_wait(failures, exc)
+
+    @contextlib.contextmanager
+    def _open_stream(
+        self, path: str, headers: dict[str, str], params: dict[str, Any] | None = None
+    ) -> Iterator[httpx.Response]:
+        with self.http.stream("GET", path, headers=headers, params=params, timeout=STREAM_TIMEOUT) as resp:
+            if resp.status_code >= 500:
+                raise httpx.RemoteProtocolError(f"server answered {resp.status_code}")
+            if resp.status_code != 200:
+                resp.read()
+                _json(resp)
+            yield resp
 
     def logs(
         self, job_id: int, node: int = 0, rank: int = 0, offset: int = 0, attempt: int | None = None
     ) -> tuple[bytes, int]:
+        data, nxt, _ = self.logs_page(job_id, node, rank, offset, attempt)
+        return data, nxt
+
+    def logs_page(
+        self, job_id: int, node: int = 0, rank: int = 0, offset: int = 0, attempt: int | None = None
+    ) -> tuple[bytes, int, int]:
+        """(bytes from `offset`, the next offset, the attempt they belong to)."""
         resp = self._logs(job_id, node, rank, offset, attempt)
-        return resp.content, int(resp.headers.get("X-Next-Offset", offset))
+        return (
+            resp.content,
+            int(resp.headers.get("X-Next-Offset", offset)),
+            int(resp.headers.get("X-Attempt", attempt or 0)),
+        )
 
     @_retry_connect
     def _logs(self, job_id: int, node: int, rank: int, offset: int, attempt: int | None) -> httpx.Response:
@@ -169,12 +235,43 @@ def _json(resp: httpx.Response) -> Any:
     return resp.json()
 
 
-def _parse_sse(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+@dataclass(frozen=True)
+class SseMessage:
+    event: str
+    id: str | None
+    data: str
+
+
+def parse_sse(lines: Iterator[str]) -> Iterator[SseMessage]:
+    """Server-Sent Events as the spec reads them; comments (`: ping`) are skipped."""
     data: list[str] = []
+    event, event_id = "message", None
     for line in lines:
         if line == "":
             if data:
-                yield json.loads("\n".join(data))
-            data = []
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip())
+                yield SseMessage(event=event, id=event_id, data="\n".join(data))
+            data, event, event_id = [], "message", None
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            data.append(value)
+        elif name == "event":
+            event = value
+        elif name == "id":
+            event_id = value
+
+
+def _retry_wait(failures: int, exc: Exception) -> int:
+    """Wait before reconnecting a stream; re-raise once the server has been unreachable for
+    about STREAM_GIVE_UP_S in a row."""
+    if failures * STREAM_RETRY_S >= STREAM_GIVE_UP_S:
+        raise exc
+    time.sleep(STREAM_RETRY_S)
+    return failures + 1
+
+
+def _is_terminal(event: dict[str, Any]) -> bool:
+    return event.get("type") == "state" and event.get("data", {}).get("state") in TERMINAL

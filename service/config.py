@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -21,6 +22,9 @@ class Settings(BaseSettings):
     database_url: str | None = None
     broker_url: str | None = None
     storage_url: str | None = None
+    # fsspec options for the storage URL, as JSON in TORCHJOBS_STORAGE_OPTIONS, e.g.
+    # {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}} for an S3-compatible server.
+    storage_options: dict[str, Any] = Field(default_factory=dict)
     admin_token: str | None = None
     script_roots: str = ""
     url: str = "http://127.0.0.1:8000"
@@ -32,13 +36,23 @@ class Settings(BaseSettings):
     starvation_s: float = 300.0
     cancel_grace_s: float = 10.0
     rendezvous_timeout_s: float = 120.0
+    redispatch_after_s: float = 10.0
+    cache_max_bytes: int = 20 * 1024**3
     master_port_base: int = 29400
     master_port_span: int = 2000
     max_request_bytes: int = 1_048_576
     max_upload_bytes: int = 8 * 1024**3
-    checkpoint_keep_last: int = 0
+    checkpoint_keep_last: int = Field(0, ge=0)  # per job; 0 keeps every checkpoint
+    upload_validate_timeout_s: float = 300.0  # the subprocess that loads an upload with weights_only
     metrics_public: bool = False
     log_json: bool = False
+
+    # Live streams (service.streams, service.notify)
+    sse_ping_s: float = 15.0  # ": ping" comment on an idle stream
+    stream_poll_s: float = 0.5  # embedded setup (no Redis): one shared check this often
+    stream_recheck_s: float = 10.0  # every stream re-reads this often even without a wake-up
+    stream_read_concurrency: int = 8  # database reads in flight for all streams together
+    logs_page_bytes: int = 1_048_576  # most bytes one GET .../logs answers
 
     @cached_property
     def resolved_database_url(self) -> str:

@@ -4,6 +4,12 @@ One engine per process. SQLite (the embedded setup) is shared by the API server 
 worker processes, so it runs in WAL mode with a busy timeout, and every transaction is
 ``BEGIN IMMEDIATE``: writers queue up instead of failing half-way with "database is locked".
 On PostgreSQL transactions are ordinary; row locks serialise what must be serialised.
+
+Reads that never write (the open streams' short look-ups) go through `read()`: on SQLite those
+begin DEFERRED, so two hundred streams re-reading do not queue behind the writers' lock.
+
+Every session made here publishes, after it commits, which jobs got new events or log chunks
+(`service.notify`): that is how open streams in the API process learn to read again.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
+from service.notify import install_publisher
+
+READ_ONLY_OPTION = "torchjobs_read_only"
 
 
 def _setup_sqlite(engine: Engine) -> None:
@@ -31,7 +40,8 @@ def _setup_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn) -> None:  # type: ignore[no-untyped-def]
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        read_only = conn.get_execution_options().get(READ_ONLY_OPTION, False)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
 
 def make_engine(settings: Settings) -> Engine:
@@ -55,6 +65,10 @@ class Database:
         self.settings = settings
         self.engine = make_engine(settings)
         self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False)
+        self.read_sessionmaker = sessionmaker(
+            self.engine.execution_options(**{READ_ONLY_OPTION: True}), expire_on_commit=False
+        )
+        self.publisher = install_publisher(self.sessionmaker, settings)
 
     @property
     def is_postgres(self) -> bool:
@@ -66,5 +80,13 @@ class Database:
         with self.sessionmaker() as session, session.begin():
             yield session
 
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A short read-only transaction (never writes; on SQLite it takes no write lock)."""
+        with self.read_sessionmaker() as session, session.begin():
+            yield session
+
     def dispose(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
         self.engine.dispose()

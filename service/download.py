@@ -2,7 +2,8 @@
 
 Bytes land in `DEST.partial`; an existing partial file is continued with a `Range` request
 (guarded by `If-Range` on the ETag, so a changed file restarts from zero); the SHA-256 of the
-whole file is checked against the server's before the file is moved to DEST.
+whole file is checked against the server's before the file is moved to DEST. A resumed file
+that fails the check (its kept bytes were not this file's) is fetched again whole, once.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from service.client import Client
 
 CHUNK = 1024 * 1024
+TIMEOUT = httpx.Timeout(30.0, read=300.0)  # a stalled server is a dropped connection: retried
 
 
 class ChecksumMismatch(Exception):
@@ -29,20 +31,32 @@ def download_checkpoint(
 ) -> str:
     meta = client.checkpoint(ckpt_id)
     partial = dest + ".partial"
-    for attempt in range(attempts):
-        try:
-            _fetch(client, ckpt_id, partial, meta, progress)
-            break
-        except (httpx.TransportError, httpx.RemoteProtocolError):
-            if attempt == attempts - 1:
-                raise
-            time.sleep(min(2**attempt * 0.2, 3))
+    resumed = os.path.exists(partial) and os.path.getsize(partial) > 0
+    _fetch_with_retries(client, ckpt_id, partial, meta, progress, attempts)
     digest = _sha256(partial)
+    if digest != meta["sha256"] and resumed:
+        # The bytes kept from before were not this file's: start again from nothing, once.
+        os.unlink(partial)
+        _fetch_with_retries(client, ckpt_id, partial, meta, progress, attempts)
+        digest = _sha256(partial)
     if digest != meta["sha256"]:
         os.unlink(partial)
         raise ChecksumMismatch(f"checkpoint {ckpt_id}: got {digest}, expected {meta['sha256']}")
     os.replace(partial, dest)
     return digest
+
+
+def _fetch_with_retries(
+    client: Client, ckpt_id: int, partial: str, meta: dict[str, Any], progress: Any, attempts: int
+) -> None:
+    for attempt in range(attempts):
+        try:
+            _fetch(client, ckpt_id, partial, meta, progress)
+            return
+        except httpx.TransportError:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(min(2**attempt * 0.2, 3))
 
 
 def _fetch(client: Client, ckpt_id: int, partial: str, meta: dict[str, Any], progress: Any) -> None:
@@ -57,16 +71,18 @@ def _fetch(client: Client, ckpt_id: int, partial: str, meta: dict[str, Any], pro
         return
     headers = {"Range": f"bytes={have}-", "If-Range": f'"{meta["sha256"]}"'} if have else {}
     with client.http.stream(
-        "GET", f"/v1/checkpoints/{ckpt_id}/download", headers=headers, timeout=None
+        "GET", f"/v1/checkpoints/{ckpt_id}/download", headers=headers, timeout=TIMEOUT
     ) as resp:
         if resp.status_code not in (200, 206):
             resp.read()
             from service.client import _json
 
             _json(resp)
-        mode = "ab" if resp.status_code == 206 else "wb"
-        done = have if resp.status_code == 206 else 0
-        with open(partial, mode) as out:
+        resumed = resp.status_code == 206 and resp.headers.get("Content-Range", "").startswith(
+            f"bytes {have}-"
+        )
+        done = have if resumed else 0
+        with open(partial, "ab" if resumed else "wb") as out:
             for chunk in resp.iter_bytes(CHUNK):
                 out.write(chunk)
                 done += len(chunk)

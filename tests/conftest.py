@@ -50,6 +50,8 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Stack
 
 @pytest.fixture(scope="module")
 def production(tmp_path_factory: pytest.TempPathFactory, module_pg_url: str) -> Iterator[harness.Stack]:
-    stack = harness.production_stack(Path(tmp_path_factory.mktemp("production")), module_pg_url, _fresh_redis_url())
+    stack = harness.production_stack(
+        Path(tmp_path_factory.mktemp("production")), module_pg_url, _fresh_redis_url()
+    )
     yield stack
     stack.stop()

@@ -6,6 +6,7 @@ against a real SQLite file or a real PostgreSQL database and Redis.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -83,12 +84,21 @@ class Stack:
     def client(self, token: str = ADMIN_TOKEN) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
-    def _spawn(self, key: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
-        log = open(self.home / f"{key}.log", "ab")
-        self.procs[key] = subprocess.Popen(
-            torchjobs_cmd(*args), env={**self.env, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    def _spawn(
+        self,
+        key: str,
+        args: list[str],
+        extra_env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> None:
+        with open(self.home / f"{key}.log", "ab") as log:
+            self.procs[key] = subprocess.Popen(
+                [*(prefix or []), *torchjobs_cmd(*args)],
+                env={**self.env, **(extra_env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def start_server(self) -> None:
         if self.embedded:
@@ -97,10 +107,18 @@ class Stack:
             self._spawn("server", ["server", "--port", str(self.port)])
         wait_for(self._healthy, 60, "the API server")
 
-    def start_worker(self, name: str, gpus: int = 2, address: str = "127.0.0.1",
-                     extra_env: dict[str, str] | None = None) -> None:
+    def start_worker(
+        self,
+        name: str,
+        gpus: int = 2,
+        address: str = "127.0.0.1",
+        extra_env: dict[str, str] | None = None,
+        netns: str | None = None,
+    ) -> None:
+        """A worker process; with `netns`, inside that network namespace (a separate host)."""
         args = ["worker", "--name", name, "--gpus", str(gpus), "--accelerator", "cpu", "--address", address]
-        self._spawn(f"worker-{name}", args, extra_env)
+        prefix = ["ip", "netns", "exec", netns] if netns else None
+        self._spawn(f"worker-{name}", args, extra_env, prefix)
         self.wait_worker_online(name)
 
     def wait_worker_online(self, name: str, timeout: float = 60) -> None:
@@ -120,10 +138,8 @@ class Stack:
     def kill(self, key: str, sig: int = signal.SIGKILL) -> None:
         """Kill a process and its whole session (the worker and every torchrun it started)."""
         proc = self.procs.pop(key)
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=60)
 
     def stop(self) -> None:
@@ -146,7 +162,9 @@ class Stack:
         assert resp.status_code == 201, resp.text
         return resp.json()
 
-    def wait_job(self, job_id: int, timeout: float = 240, states: tuple[str, ...] = TERMINAL) -> dict[str, Any]:
+    def wait_job(
+        self, job_id: int, timeout: float = 240, states: tuple[str, ...] = TERMINAL
+    ) -> dict[str, Any]:
         def done() -> dict[str, Any] | None:
             with self.client() as c:
                 job = c.get(f"/v1/jobs/{job_id}").json()
@@ -186,11 +204,53 @@ def embedded_stack(home: Path) -> Stack:
 
 
 def production_stack(home: Path, pg_url: str, redis_url: str, workers: dict[str, int] | None = None) -> Stack:
-    env = make_env(home, TORCHJOBS_DATABASE_URL=pg_url, TORCHJOBS_BROKER_URL=redis_url,
-                   TORCHJOBS_STORAGE_URL=f"file://{home / 'shared-storage'}")
+    env = make_env(
+        home,
+        TORCHJOBS_DATABASE_URL=pg_url,
+        TORCHJOBS_BROKER_URL=redis_url,
+        TORCHJOBS_STORAGE_URL=f"file://{home / 'shared-storage'}",
+    )
     subprocess.run(torchjobs_cmd("db", "upgrade"), env=env, check=True, capture_output=True)
     stack = Stack(home=home, env=env, port=free_port(), embedded=False)
     stack.start_server()
     for name, gpus in (workers if workers is not None else {"w1": 2}).items():
         stack.start_worker(name, gpus)
     return stack
+
+
+def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
+    """Every process on this machine whose environment names the job (ranks, agents, loaders).
+
+    With `home`, only those of the stack living there: job ids repeat across test stacks.
+    """
+    needle = f"TORCHJOBS_JOB_ID={job_id}".encode()
+    where = f"TORCHJOBS_CHECKPOINT_DIR={home}".encode() if home else b""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in env and (not where or any(v.startswith(where) for v in env)):
+            found.append(int(entry))
+    return found
+
+
+def kill_job_processes(job_id: int, home: Path | None = None) -> None:
+    for pid in pids_of_job(job_id, home):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def wait_event(
+    stack: Stack, job_id: int, predicate: Callable[[dict[str, Any]], bool], timeout: float = 120
+) -> Any:
+    return wait_for(
+        lambda: next((e for e in stack.events(job_id) if predicate(e)), None),
+        timeout,
+        f"an event of job {job_id}",
+        interval=0.3,
+    )

@@ -9,9 +9,11 @@ checkpoint) and reported as lost, so their jobs retry where retries are allowed.
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
 import threading
 import uuid
+from pathlib import Path
 
 from celery import signals
 
@@ -23,6 +25,7 @@ from service.workers import repository as workers_repo
 from workers import context
 from workers.celery_app import make_celery, queue_for
 from workers.context import WorkerContext
+from workers.launcher.supervisor import remove_run_dir
 from workers.tasks import register_tasks
 
 log = logging.getLogger("torchjobs.worker")
@@ -39,6 +42,13 @@ def detect_gpus(accelerator: str) -> tuple[str, int]:
         if count or accelerator == "cuda":
             return "cuda", count
     return "cpu", max(1, os.cpu_count() or 1)
+
+
+def remove_stale_runs(run_root: Path) -> None:
+    """Nodes of a previous process of this worker are lost anyway: drop what they left."""
+    for run_dir in run_root.glob("job-*/attempt-*/node-*"):
+        remove_run_dir(run_dir)
+    shutil.rmtree(run_root, ignore_errors=True)
 
 
 def register(ctx: WorkerContext) -> None:
@@ -78,7 +88,7 @@ def run_worker(
     ctx = WorkerContext(
         settings=settings,
         db=db,
-        storage=Storage(settings.resolved_storage_url),
+        storage=Storage.from_settings(settings),
         name=name,
         session_id=uuid.uuid4().hex,
         address=address or _default_address(),
@@ -86,6 +96,7 @@ def run_worker(
         gpus=gpus if gpus is not None else detected,
     )
     context.set_current(ctx)
+    remove_stale_runs(ctx.run_root)
     register(ctx)
     beat = Heartbeat(ctx)
     beat.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from service.config import Settings
 from service.db import Database
@@ -21,6 +22,11 @@ class WorkerContext:
     accelerator: str
     gpus: int
     shutdown: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def run_root(self) -> Path:
+        """This worker's run folders; whatever a previous process left here is dead."""
+        return self.settings.runs_dir / self.name
 
 
 _current: WorkerContext | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             "job %s attempt %s node %s: nothing to do (repeat or stale message)", job_id, attempt, node_rank
         )
         return "skipped"
-    run_dir = ctx.settings.runs_dir / f"job-{job_id}" / f"attempt-{attempt}" / f"node-{node_rank}"
+    run_dir = ctx.run_root / f"job-{job_id}" / f"attempt-{attempt}" / f"node-{node_rank}"
     supervisor = None
     try:
         launch = _launch(ctx, key, claimed, run_dir)
@@ -53,6 +54,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             ),
             grace_s=ctx.settings.cancel_grace_s,
             shutdown=ctx.shutdown,
+            host=f"worker {ctx.name} ({ctx.address})",
         )
         outcome = supervisor.run()
     except InvalidSpec as exc:
@@ -120,6 +122,7 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         python=sys.executable,
         rendezvous_timeout_s=int(ctx.settings.rendezvous_timeout_s),
         resume_path=resume_path,
+        tmp_root=Path(tempfile.gettempdir()),
         base_env=dict(os.environ),
     )
 
@@ -131,6 +134,7 @@ def _fetch_resume(ctx: WorkerContext, resume: tuple[int, str, str]) -> str:
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"{sha}.pt"
     if target.exists():
+        target.touch()
         return str(target)
     partial = cache / f".{sha}.{ckpt_id}.partial"
     try:
@@ -142,4 +146,16 @@ def _fetch_resume(ctx: WorkerContext, resume: tuple[int, str, str]) -> str:
         partial.unlink(missing_ok=True)
         raise _ResumeError(f"checkpoint {ckpt_id} failed its SHA-256 check")
     partial.replace(target)
+    prune_cache(cache, ctx.settings.cache_max_bytes, keep=target)
     return str(target)
+
+
+def prune_cache(cache: Path, max_bytes: int, keep: Path) -> None:
+    """Least recently used copies go first, so the cache stays under its documented bound."""
+    files = sorted((p for p in cache.glob("*.pt") if p != keep), key=lambda p: p.stat().st_mtime)
+    total = sum(p.stat().st_size for p in files) + keep.stat().st_size
+    for path in files:
+        if total <= max_bytes:
+            break
+        total -= path.stat().st_size
+        path.unlink(missing_ok=True)

@@ -14,10 +14,12 @@ from typing import Any
 
 from sqlalchemy import select
 
+from service.checkpoints import service as checkpoints_service
 from service.db import Database
 from service.jobs.lifecycle import NodeOutcome, finish_node
 from service.jobs.states import append_event, lock_job
 from service.models import Checkpoint, Job, LogChunk
+from service.notify import mark_logs
 from service.schemas import checkpoint_out
 from service.storage import Storage
 
@@ -52,37 +54,48 @@ class NodeKey:
 
 
 def write_batch(db: Database, key: NodeKey, batch: Batch) -> None:
+    """Log chunks and progress events of one look, in one transaction. Open streams hear of
+    it after the commit (`service.notify`): the events through `append_event`, the log through
+    `mark_logs`. The job's `progress` is written once per batch, with the latest values."""
     if not batch:
         return
     with db.transaction() as session:
-        for local_rank, offset, data in batch.logs:
-            for i in range(0, len(data), MAX_CHUNK):
-                session.add(
-                    LogChunk(
-                        job_id=key.job_id,
-                        attempt=key.attempt,
-                        node_rank=key.node_rank,
-                        local_rank=local_rank,
-                        offset=offset + i,
-                        data=data[i : i + MAX_CHUNK],
-                    )
+        if batch.logs:
+            session.add_all(
+                LogChunk(
+                    job_id=key.job_id,
+                    attempt=key.attempt,
+                    node_rank=key.node_rank,
+                    local_rank=local_rank,
+                    offset=offset + i,
+                    data=data[i : i + MAX_CHUNK],
                 )
+                for local_rank, offset, data in batch.logs
+                for i in range(0, len(data), MAX_CHUNK)
+            )
+            mark_logs(session, key.job_id)
         progress = [e for e in batch.events if e.get("type", "progress") == "progress"]
         if not progress:
             return
         job = lock_job(session, key.job_id)
         if job is None or job.attempt != key.attempt:
             return
+        latest = dict(job.progress or {})
         for event in progress:
             data = _clean(event)
             append_event(session, job.id, "progress", data)
-            job.progress = {**(job.progress or {}), **{k: data[k] for k in PROGRESS_FIELDS if k in data}}
+            latest.update({k: data[k] for k in PROGRESS_FIELDS if k in data})
+        job.progress = latest
 
 
 def _clean(event: dict[str, Any]) -> dict[str, Any]:
-    """Keep JSON-safe scalars only; NaN and infinities become null."""
+    """Keep JSON-safe scalars only; NaN and infinities become null. The rank's own wall clock
+    ("ts", seconds since the epoch) is kept as "reported_at": the event's `ts` is when it was stored."""
     out: dict[str, Any] = {}
     for k, v in event.items():
+        if k == "ts" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out["reported_at"] = v
+            continue
         if k in ("type", "ts") or not isinstance(k, str):
             continue
         if isinstance(v, float) and not math.isfinite(v):
@@ -119,7 +132,14 @@ def record_checkpoint(
         session.add(ckpt)
         session.flush()
         append_event(session, job.id, "checkpoint", checkpoint_out(ckpt).model_dump(mode="json"))
-        return ckpt.id
+        ckpt_id = ckpt.id
+    keep_last = db.settings.checkpoint_keep_last
+    if keep_last:
+        try:
+            checkpoints_service.enforce_retention(db, storage, key.job_id, keep_last)
+        except Exception:  # retention is housekeeping: it must never fail the recording
+            log.exception("job %s: checkpoint retention failed", key.job_id)
+    return ckpt_id
 
 
 def record_end(db: Database, key: NodeKey, outcome: NodeOutcome) -> None:

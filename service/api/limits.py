@@ -11,10 +11,6 @@ import json
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimitMiddleware:
     def __init__(
         self, app: ASGIApp, *, default_limit: int, upload_limit: int, upload_paths: tuple[str, ...]
@@ -36,28 +32,33 @@ class BodyLimitMiddleware:
             await _reply_413(send, limit)
             return
         seen = 0
-        started = False
+        state = {"started": False, "rejected": False}
 
         async def limited_receive() -> Message:
             nonlocal seen
+            if state["rejected"]:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise BodyTooLarge()
+                    # Answer 413 ourselves, then tell the app the client went away, so it
+                    # stops reading; anything it still tries to send is dropped.
+                    state["rejected"] = True
+                    if not state["started"]:
+                        state["started"] = True
+                        await _reply_413(send, limit)
+                    return {"type": "http.disconnect"}
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
+        async def guarded_send(message: Message) -> None:
+            if state["rejected"]:
+                return
             if message["type"] == "http.response.start":
-                started = True
+                state["started"] = True
             await send(message)
 
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await _reply_413(send, limit)
+        await self.app(scope, limited_receive, guarded_send)
 
 
 def _content_length(scope: Scope) -> int | None:

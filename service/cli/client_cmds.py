@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 import typer
 import yaml
 from rich.console import Console
@@ -20,9 +20,12 @@ from rich.table import Table
 
 from service.client import TERMINAL, ApiError, Client
 from service.config import Settings
+from service.download import ChecksumMismatch
 
 console = Console(stderr=True)
 OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table | json")]
+# `download` keeps -o for the destination file (contract: `download CKPT [-o PATH]`).
+OutputLongOpt = Annotated[str, typer.Option("--output", help="table | json")]
 UrlOpt = Annotated[str | None, typer.Option("--url", help="server URL (TORCHJOBS_URL)")]
 TokenOpt = Annotated[str | None, typer.Option("--token", help="bearer token (TORCHJOBS_TOKEN)")]
 EXIT_BY_STATE = {"succeeded": 0, "failed": 1, "cancelled": 3}
@@ -233,7 +236,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         out: Annotated[Path | None, typer.Option("-o", "--out", help="destination file")] = None,
         url: UrlOpt = None,
         token: TokenOpt = None,
-        output: OutputOpt = "table",
+        output: OutputLongOpt = "table",
     ) -> None:
         """Download a checkpoint with a progress bar; resumes and verifies its SHA-256."""
         with make_client(url, token) as client:
@@ -251,6 +254,12 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
                     sha = client.download(ckpt_id, dest, lambda d, t: bar.update(task, completed=d, total=t))
             except ApiError as exc:
                 _fail(exc)
+            except ChecksumMismatch as exc:
+                console.print(f"[red]error[/red]: {exc}; nothing was kept")
+                raise typer.Exit(1) from None
+            except httpx.TransportError as exc:
+                console.print(f"[red]error[/red]: {exc!r}; run the same command again to resume")
+                raise typer.Exit(1) from None
         result = {"id": ckpt_id, "path": dest, "sha256": sha, "verified": True}
         _emit(result, output) if output == "json" else typer.echo(f"{dest} sha256 {sha} verified")
 
@@ -272,38 +281,37 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
 
 
 def _watch(client: Client, job_id: int, output: str) -> str:
+    """Follow the job's event stream (it resumes by itself after a dropped connection) until
+    the terminal state event; a progress bar on the terminal, one JSON event a line with -o json."""
     job = client.get(job_id)
     if output == "json":
         for event in client.stream_events(job_id):
             typer.echo(json.dumps(event))
         return client.get(job_id)["state"]
     columns = (
-        TextColumn("[bold]job {task.fields[job]}[/bold] {task.fields[state]}"),
+        TextColumn("[bold]job {task.fields[job]}[/bold] {task.fields[state]:<10}"),
         BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
         TextColumn(
             "epoch {task.fields[epoch]} step {task.fields[step]} loss {task.fields[loss]} "
             "{task.fields[sps]} samples/s"
         ),
+        TextColumn("ETA"),
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console) as bar:
-        task = bar.add_task(
-            "", total=1.0, job=job_id, state=job["state"], epoch="-", step="-", loss="-", sps="-"
-        )
+        fields = _progress_fields(job["progress"])
+        task = bar.add_task("", total=1.0, job=job_id, state=job["state"], **fields)
+        bar.update(task, completed=job["progress"].get("fraction") or 0.0)
         for event in client.stream_events(job_id):
             if event["type"] == "state":
                 bar.update(task, state=event["data"]["state"])
             elif event["type"] == "progress":
                 d = event["data"]
-                frac = (d["step"] / d["total_steps"]) if d.get("total_steps") else None
-                bar.update(
-                    task,
-                    completed=frac if frac is not None else 0,
-                    epoch=f"{d.get('epoch')}/{d.get('epochs')}",
-                    step=d.get("step"),
-                    loss=f"{d['loss']:.4f}" if isinstance(d.get("loss"), float) else "-",
-                    sps=f"{d['samples_per_sec']:.0f}" if isinstance(d.get("samples_per_sec"), float) else "-",
-                )
+                fraction = _fraction(d)
+                bar.update(task, **_progress_fields(d))
+                if fraction is not None:
+                    bar.update(task, completed=fraction)
         final = client.get(job_id)
         if final["state"] == "succeeded":
             bar.update(task, completed=1.0)
@@ -311,26 +319,55 @@ def _watch(client: Client, job_id: int, output: str) -> str:
     return final["state"]
 
 
+def _fraction(d: dict[str, Any]) -> float | None:
+    if d.get("total_steps") and d.get("step") is not None:
+        return min(1.0, d["step"] / d["total_steps"])
+    if d.get("epochs") and d.get("epoch") is not None:
+        return min(1.0, d["epoch"] / d["epochs"])
+    return None
+
+
+def _progress_fields(d: dict[str, Any]) -> dict[str, str]:
+    def num(value: Any, fmt: str = "g") -> str:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return "-"
+        return format(value, fmt)
+
+    def of(done: str, total: str) -> str:
+        return f"{num(d.get(done))}/{num(d.get(total))}" if d.get(total) else num(d.get(done))
+
+    return {
+        "epoch": of("epoch", "epochs"),
+        "step": of("step", "total_steps"),
+        "loss": num(d.get("loss"), ".4f"),
+        "sps": num(d.get("samples_per_sec"), ".0f"),
+    }
+
+
 def _logs(client: Client, job_id: int, node: int, rank: int, attempt: int | None, follow: bool) -> None:
-    offset = 0
-    while True:
-        try:
-            data, offset = client.logs(job_id, node, rank, offset, attempt)
-        except ApiError:
-            raise
-        except Exception:
-            if not follow:
-                raise
-            time.sleep(1)
-            continue
-        if data:
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
-        if not follow:
-            return
-        if not data:
-            if client.get(job_id)["state"] in TERMINAL:
-                data, offset = client.logs(job_id, node, rank, offset, attempt)
-                sys.stdout.buffer.write(data)
+    """Without -f: every byte stored so far, page by page (byte-exact). With -f: the live log
+    stream, which resumes at the right offset after a dropped connection; when the attempt ends
+    and the job is retried, it goes on with the next attempt (unless --attempt pinned one)."""
+    out = sys.stdout
+    if not follow:
+        offset = 0
+        while True:
+            data, nxt, attempt = client.logs_page(job_id, node, rank, offset, attempt)
+            if not data:
                 return
-            time.sleep(1)
+            out.buffer.write(data)
+            out.buffer.flush()
+            offset = nxt
+    pinned = attempt is not None
+    while True:
+        end: dict[str, Any] = {}
+        for message in client.stream_logs(job_id, node, rank, 0, attempt):
+            if message["type"] == "end":
+                end = message
+                break
+            out.write(message["data"])
+            out.flush()
+        if pinned or end.get("state") is None or end["state"] in TERMINAL:
+            return
+        attempt = int(end["attempt"]) + 1  # the attempt ended and the job was queued again
+        console.print(f"[dim]--- attempt {attempt - 1} ended; following attempt {attempt} ---[/dim]")

@@ -1,5 +1,44 @@
+"""`GET /metrics`: Prometheus exposition of this app's registry.
+
+Scraping needs a bearer token (any user's) unless ``TORCHJOBS_METRICS_PUBLIC`` is true, for a
+Prometheus that scrapes from inside a private network without a token.
+"""
+
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials
+from prometheus_client.exposition import choose_encoder
+
+from service.api.deps import DbDep, SettingsDep, bearer, current_user
+from service.metrics.collector import AppMetrics
+from service.metrics.middleware import RequestLatencyMiddleware
 
 router = APIRouter(tags=["metrics"])
+
+
+def install(app: FastAPI) -> None:
+    """Give the app its own registry and time every request; call once, in `create_app`."""
+    metrics = AppMetrics(database=lambda: app.state.db)
+    app.state.metrics = metrics
+    app.add_middleware(RequestLatencyMiddleware, histogram=metrics.http_latency)
+
+
+def scrape_allowed(
+    settings: SettingsDep,
+    db: DbDep,
+    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+) -> None:
+    """Checks the token in a short read of its own, not a request-long session (which would hold
+    SQLite's write lock for the whole scrape)."""
+    if not settings.metrics_public:
+        with db.read() as session:
+            current_user(session, creds)
+
+
+@router.get("/metrics", dependencies=[Depends(scrape_allowed)], response_class=Response)
+def metrics(request: Request) -> Response:
+    encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+    return Response(content=encoder(request.app.state.metrics.registry), media_type=content_type)

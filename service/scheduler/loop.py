@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,7 +44,9 @@ class Dispatch:
 Dispatcher = Callable[[list[Dispatch]], None]
 
 
-def run_pass(db: Database, settings: Settings, dispatch: Dispatcher) -> list[Dispatch]:
+def run_pass(
+    db: Database, settings: Settings, dispatch: Dispatcher, throttle: ResendThrottle | None = None
+) -> list[Dispatch]:
     try:
         with db.transaction() as session:
             if (
@@ -55,12 +58,48 @@ def run_pass(db: Database, settings: Settings, dispatch: Dispatcher) -> list[Dis
                 return []
             reap(session, settings)
             sent = place(session, settings)
+            resend = throttle.due(undelivered(session, settings)) if throttle else []
     except (IntegrityError, OperationalError) as exc:
         log.warning("scheduler pass rolled back: %s", exc.__class__.__name__)
         return []
-    if sent:
-        dispatch(sent)
+    if sent or resend:
+        try:
+            dispatch(sent + resend)
+        except Exception as exc:  # broker down: the rows stand, undelivered() sends again later
+            log.warning("dispatch failed (%s); nodes will be re-sent", exc.__class__.__name__)
     return sent
+
+
+def undelivered(session: Session, settings: Settings) -> list[Dispatch]:
+    """Nodes placed a while ago that no worker has claimed yet.
+
+    Celery only delivers; the node row is the truth. A message lost with a broker restart or
+    a failed send is sent again, and a duplicate finds the node claimed and does nothing.
+    """
+    cutoff = utcnow() - timedelta(seconds=settings.redispatch_after_s)
+    runs = session.execute(
+        select(NodeRun).where(NodeRun.state == "pending", NodeRun.created_at < cutoff)
+    ).scalars()
+    return [
+        Dispatch(job_id=r.job_id, attempt=r.attempt, node_rank=r.node_rank, worker=r.worker_name)
+        for r in runs
+    ]
+
+
+class ResendThrottle:
+    """Sends a given node's message again at most once per interval."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.last: dict[Dispatch, float] = {}
+
+    def due(self, items: list[Dispatch]) -> list[Dispatch]:
+        now = time.monotonic()
+        self.last = {k: t for k, t in self.last.items() if now - t < 10 * self.interval_s}
+        fresh = [i for i in items if now - self.last.get(i, -1e18) >= self.interval_s]
+        for item in fresh:
+            self.last[item] = now
+        return fresh
 
 
 def reap(session: Session, settings: Settings) -> None:
@@ -191,20 +230,21 @@ class SchedulerThread(threading.Thread):
     def __init__(self, db: Database, settings: Settings, dispatch: Dispatcher) -> None:
         super().__init__(name="torchjobs-scheduler", daemon=True)
         self.db, self.settings, self.dispatch = db, settings, dispatch
+        self.throttle = ResendThrottle(settings.redispatch_after_s)
         self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def wake(self) -> None:
         self._wake.set()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self._wake.set()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             try:
-                run_pass(self.db, self.settings, self.dispatch)
+                run_pass(self.db, self.settings, self.dispatch, self.throttle)
             except Exception:  # keep scheduling whatever one pass hit
                 log.exception("scheduler pass failed")
             self._wake.wait(self.settings.scheduler_interval_s)

@@ -1,5 +1,133 @@
+"""Live status over HTTP: a job's events as Server-Sent Events, one rank's log by byte offset
+and as Server-Sent Events. See docs/streams.md for the wire formats."""
+
 from __future__ import annotations
 
-from fastapi import APIRouter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
 
-router = APIRouter(tags=["streams"])
+from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from service.api.deps import DbDep, JobDep, SessionDep, SettingsDep, bearer, caller_job, current_user
+from service.models import Job
+from service.streams import service
+from service.streams.service import LogEnd, Streams
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Runs inside the app's own lifespan: the database is there already."""
+    streams = Streams(app.state.db, app.state.settings)
+    await streams.start()
+    app.state.streams = streams
+    try:
+        yield
+    finally:
+        await streams.stop()
+
+
+router = APIRouter(tags=["streams"], lifespan=lifespan)
+
+Position = Annotated[int, Query(ge=0, le=2**62)]
+Node = Annotated[int, Query(ge=0, le=100_000, description="node rank")]
+Rank = Annotated[int, Query(ge=0, le=100_000, description="local rank on that node")]
+Attempt = Annotated[int | None, Query(ge=1, le=1_000_000, description="default: the latest")]
+LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)]
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def stream_job(
+    db: DbDep,
+    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    job_id: Annotated[int, Path(ge=1, le=2**62)],
+) -> Job:
+    """`caller_job` in a read of its own that ends before the stream starts: a request-scoped
+    session would stay open (on SQLite, holding the write lock) for as long as the stream."""
+    with db.read() as session:
+        return caller_job(session, current_user(session, creds), job_id)
+
+
+StreamJob = Annotated[Job, Depends(stream_job)]
+
+
+def _sse(
+    request: Request, messages: AsyncIterator[ServerSentEvent], headers: dict[str, str] | None = None
+) -> EventSourceResponse:
+    return EventSourceResponse(
+        messages,
+        ping=request.app.state.settings.sse_ping_s,
+        ping_message_factory=lambda: ServerSentEvent(comment="ping"),
+        headers={**STREAM_HEADERS, **(headers or {})},
+    )
+
+
+@router.get("/v1/jobs/{job_id}/events/stream")
+async def stream_events(
+    request: Request, job: StreamJob, after: Position = 0, last_event_id: LastEventId = None
+) -> EventSourceResponse:
+    """`id: SEQ`, `event: TYPE`, `data: EVENT_JSON`; resumes after the larger of `?after=` and
+    `Last-Event-ID`; ends after the terminal state event."""
+    start = service.start_position(after, last_event_id)
+    streams: Streams = request.app.state.streams
+
+    async def messages() -> AsyncIterator[ServerSentEvent]:
+        async for item in service.event_stream(streams, job.id, start):
+            yield ServerSentEvent(data=item.json, event=item.type, id=str(item.seq))
+
+    return _sse(request, messages())
+
+
+@router.get("/v1/jobs/{job_id}/logs")
+def get_logs(
+    job: JobDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    node: Node = 0,
+    rank: Rank = 0,
+    offset: Position = 0,
+    attempt: Attempt = None,
+) -> Response:
+    """Up to `logs_page_bytes` of the rank's combined stdout and stderr from byte `offset`."""
+    page = service.read_logs(session, settings, job, node=node, rank=rank, offset=offset, attempt=attempt)
+    return Response(
+        page.data,
+        media_type="text/plain; charset=utf-8",
+        headers={"X-Next-Offset": str(page.next_offset), "X-Attempt": str(page.attempt)},
+    )
+
+
+@router.get("/v1/jobs/{job_id}/logs/stream")
+async def stream_logs(
+    request: Request,
+    job: StreamJob,
+    node: Node = 0,
+    rank: Rank = 0,
+    offset: Position = 0,
+    attempt: Attempt = None,
+    last_event_id: LastEventId = None,
+) -> EventSourceResponse:
+    """`event: log` messages with `id:` the next offset and `data: {"offset","next_offset","data"}`,
+    then one `event: end` `data: {"offset","attempt","state"}` once the rank's attempt is over."""
+    attempt_no = service.check_log_position(job, node, attempt)
+    start = service.start_position(offset, last_event_id)
+    streams: Streams = request.app.state.streams
+
+    async def messages() -> AsyncIterator[ServerSentEvent]:
+        async for piece in service.log_stream(
+            streams, job.id, attempt=attempt_no, node=node, rank=rank, offset=start
+        ):
+            if isinstance(piece, LogEnd):
+                end = {"offset": piece.offset, "attempt": piece.attempt, "state": piece.state}
+                yield ServerSentEvent(data=_json(end), event="end")
+            else:
+                body = {"offset": piece.offset, "next_offset": piece.next_offset, "data": piece.text}
+                yield ServerSentEvent(data=_json(body), event="log", id=str(piece.next_offset))
+
+    return _sse(request, messages(), {"X-Attempt": str(attempt_no)})
+
+
+def _json(obj: object) -> str:
+    return service.compact_json(obj)

@@ -14,7 +14,7 @@ import torch
 from tests.harness import Stack
 
 BUILTIN = {"kind": "builtin", "model": "cnn", "dataset": "digits"}
-HYPER = {"epochs": 2, "batch_size": 64, "num_workers": 0, "report_every": 5}
+HYPER = {"epochs": 2, "batch_size": 64, "report_every": 5}  # num_workers: the default, 2
 
 
 @pytest.fixture(params=["embedded", "production"])
@@ -28,8 +28,15 @@ def states_of(events: list[dict]) -> list[str]:
 
 @pytest.mark.parametrize(("mode", "gpus"), [("single", 1), ("ddp", 2)])
 def test_builtin_job_runs_to_success(stack: Stack, mode: str, gpus: int, tmp_path) -> None:
-    job = stack.submit({"name": f"digits-{mode}", "mode": mode, "gpus_per_node": gpus, "entrypoint": BUILTIN,
-                        "hyperparameters": HYPER})
+    job = stack.submit(
+        {
+            "name": f"digits-{mode}",
+            "mode": mode,
+            "gpus_per_node": gpus,
+            "entrypoint": BUILTIN,
+            "hyperparameters": HYPER,
+        }
+    )
     assert job["state"] == "queued" and job["attempt"] == 1 and job["owner"] == "admin"
     done = stack.wait_job(job["id"])
     assert done["state"] == "succeeded", done["error"]
@@ -80,7 +87,9 @@ def test_failing_script_reports_exit_code_and_stderr(stack: Stack) -> None:
         ({"mode": "single", "entrypoint": {"kind": "script", "path": "../../etc/passwd"}}, "path"),
     ],
 )
-def test_invalid_spec_is_422_naming_the_field_and_writes_nothing(stack: Stack, spec: dict, field: str) -> None:
+def test_invalid_spec_is_422_naming_the_field_and_writes_nothing(
+    stack: Stack, spec: dict, field: str
+) -> None:
     with stack.client() as c:
         before = c.get("/v1/jobs", params={"limit": 500}).json()["items"]
         resp = c.post("/v1/jobs", json=spec)

@@ -6,6 +6,7 @@ function (and unit-tested exhaustively), and only then acted on by the superviso
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class NodeLaunch:
     run_dir: Path
     python: str
     rendezvous_timeout_s: int = 120
+    tmp_root: Path = Path("/tmp")
     resume_path: str | None = None
     user_env: Mapping[str, str] = field(default_factory=dict)
     base_env: Mapping[str, str] = field(default_factory=dict)
@@ -53,6 +55,7 @@ class NodeLaunch:
 @dataclass(frozen=True, kw_only=True)
 class NodePaths:
     run_dir: Path
+    tmp_root: Path = Path("/tmp")
 
     @property
     def checkpoints(self) -> Path:
@@ -68,6 +71,14 @@ class NodePaths:
 
     @property
     def tmp(self) -> Path:
+        """TMPDIR of the ranks: short on purpose. Unix sockets (DataLoader workers, torch's
+        multiprocessing) live there and their paths may not pass 107 bytes, which a deep
+        TORCHJOBS_HOME easily would. `run_dir/tmp` links to it, so cleanup can find it."""
+        digest = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
+        return self.tmp_root / f"torchjobs-{digest}"
+
+    @property
+    def tmp_link(self) -> Path:
         return self.run_dir / "tmp"
 
     @property
@@ -108,7 +119,7 @@ def trainer_config(launch: NodeLaunch) -> dict[str, Any]:
 
 
 def build_launch(launch: NodeLaunch) -> LaunchPlan:
-    paths = NodePaths(run_dir=launch.run_dir)
+    paths = NodePaths(run_dir=launch.run_dir, tmp_root=launch.tmp_root)
     nproc = processes_per_node(launch.mode, len(launch.gpus))
     argv = [
         launch.python,

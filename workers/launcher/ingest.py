@@ -1,6 +1,8 @@
 """Reading what a node's ranks leave on disk: log files, the events file, checkpoint files.
 
 Each reader remembers how far it got, so every byte and every line is taken exactly once.
+A reader takes at most `MAX_READ` bytes of a file per look and says so (`backlog`) when it
+left more behind: the supervisor then looks again sooner, and at the end until none is left.
 """
 
 from __future__ import annotations
@@ -8,11 +10,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 MAX_READ = 4 * 1024 * 1024
+HOLD_MAX = 64 * 1024  # a partial line longer than this goes out anyway
+HOLD_S = 2.0  # and so does one that has waited this long for its end
 IGNORED_SUFFIXES = (".tmp", ".partial")
 
 
@@ -40,9 +45,12 @@ class EventsTail:
     def __init__(self, path: Path) -> None:
         self.tail = FileTail(path)
         self.buffer = b""
+        self.backlog = False
 
     def read_new(self) -> list[dict[str, Any]]:
-        self.buffer += self.tail.read_new()
+        new = self.tail.read_new()
+        self.backlog = len(new) >= MAX_READ
+        self.buffer += new
         *lines, self.buffer = self.buffer.split(b"\n")
         events = []
         for line in lines:
@@ -56,12 +64,21 @@ class EventsTail:
 
 
 class RankLogs:
-    """One local rank's stdout and stderr (torchrun --redirects=3) as one combined stream."""
+    """One local rank's stdout and stderr (torchrun --redirects=3) as one combined stream.
+
+    Each look appends the new bytes of stdout, then those of stderr. So that a line of one is
+    never cut in two by the other, a stream's unfinished last line (after its last newline or
+    carriage return) waits for its end: for at most `HOLD_S` seconds or `HOLD_MAX` bytes, and
+    never past the final look.
+    """
 
     def __init__(self, logs_dir: Path, local_rank: int) -> None:
         self.logs_dir, self.local_rank = logs_dir, local_rank
         self.streams: list[FileTail] = []
+        self.held: list[bytes] = []
+        self.held_since: list[float] = []
         self.offset = 0
+        self.backlog = False
 
     def _find(self) -> None:
         if self.streams:
@@ -72,12 +89,32 @@ class RankLogs:
                 self.streams.append(FileTail(found[-1]))
         if len(self.streams) != 2:
             self.streams = []
+        self.held = [b""] * len(self.streams)
+        self.held_since = [0.0] * len(self.streams)
 
-    def read_new(self) -> tuple[int, bytes]:
+    def read_new(self, final: bool = False, now: float | None = None) -> tuple[int, bytes]:
         """(offset of the returned bytes in the combined stream, the bytes)."""
         self._find()
+        now = time.monotonic() if now is None else now
         start = self.offset
-        data = b"".join(s.read_new() for s in self.streams)
+        self.backlog = False
+        parts = []
+        for i, tail in enumerate(self.streams):
+            new = tail.read_new()
+            drained = len(new) < MAX_READ
+            self.backlog = self.backlog or not drained
+            if not self.held[i] and new:
+                self.held_since[i] = now
+            data = self.held[i] + new
+            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+            rest = len(data) - cut
+            if (final and drained) or rest > HOLD_MAX or (rest and now - self.held_since[i] >= HOLD_S):
+                cut = len(data)
+            parts.append(data[:cut])
+            self.held[i] = data[cut:]
+            if self.held[i] and cut:
+                self.held_since[i] = now
+        data = b"".join(parts)
         self.offset += len(data)
         return start, data
 

@@ -9,6 +9,7 @@ the grace period. When the agent exits, anything left in its group is killed too
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from service.jobs.lifecycle import NodeOutcome
@@ -31,6 +33,10 @@ log = logging.getLogger("torchjobs.worker")
 POLL_S = 0.25
 CONTROL_EVERY_S = 1.0
 BATCH_EVERY_S = 0.5
+# While stored output waits on a database that refuses it, read no more than this (the files
+# keep the rest): back-pressure instead of memory without bound.
+MAX_PENDING_BYTES = 64 * 1024 * 1024
+FINAL_WRITE_TRIES = 10
 
 
 @dataclass
@@ -53,21 +59,26 @@ class NodeSupervisor:
         hooks: Hooks,
         grace_s: float,
         shutdown: threading.Event,
+        host: str = "",
     ) -> None:
         self.key, self.plan, self.hooks, self.grace_s, self.shutdown = key, plan, hooks, grace_s, shutdown
+        self.host = host  # "worker NAME (ADDRESS)", so a failure names the machine it happened on
         paths = plan.paths
         nproc = processes_per_node(mode, gpus)
         self.rank_logs = [RankLogs(paths.logs, r) for r in range(nproc)]
         self.events = EventsTail(paths.events)
         self.checkpoints = CheckpointWatcher(paths.checkpoints)
         self.ckpt_meta: dict[str, dict[str, Any]] = {}
-        self.pending = Batch()
+        self.pending = Batch()  # read but not yet stored (its write failed): sent first next time
+        self.backlog = False  # a file had more than one read takes: look again without waiting
         self.stop_reason: str | None = None
 
     def prepare(self) -> None:
         paths = self.plan.paths
         for folder in (paths.run_dir, paths.checkpoints, paths.logs, paths.tmp):
             folder.mkdir(parents=True, exist_ok=True)
+        if not paths.tmp_link.is_symlink():
+            paths.tmp_link.symlink_to(paths.tmp)
         if self.plan.config is not None:
             paths.config.write_text(config_json(self.plan))
 
@@ -81,7 +92,7 @@ class NodeSupervisor:
                 stdin=subprocess.DEVNULL,
                 stdout=agent_out,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                preexec_fn=_new_group_dying_with_worker,
             )
             try:
                 rc = self._watch(proc)
@@ -95,7 +106,7 @@ class NodeSupervisor:
         while True:
             rc = proc.poll()
             now = time.monotonic()
-            if now - last_batch >= BATCH_EVERY_S or rc is not None:
+            if now - last_batch >= BATCH_EVERY_S or rc is not None or self.backlog:
                 self._ingest(final=False)
                 last_batch = now
             if rc is not None:
@@ -135,9 +146,48 @@ class NodeSupervisor:
         return proc.wait()
 
     def _ingest(self, final: bool) -> None:
-        batch = Batch()
+        """Store what the ranks wrote since the last look, as one batch (one transaction).
+
+        While the node runs that is one batch per look, at most `MAX_READ` per file; at the end
+        (`final`) batches follow each other until every file is drained, so that what a rank
+        printed just before it exited is stored too. A batch the database refused is kept and
+        sent again with the next one: no byte or report is dropped on a transient error.
+        """
+        tries = 0
+        while True:
+            batch = self._collect(final)
+            try:
+                self.hooks.write_batch(batch)
+            except Exception:
+                self.pending = batch
+                tries += 1
+                log.exception("job %s node %s: could not store output; will retry", *self._ids())
+                if not final:
+                    break
+                if tries >= FINAL_WRITE_TRIES:
+                    log.error("job %s node %s: giving up on storing the last output", *self._ids())
+                    self.pending = Batch()
+                    break
+                time.sleep(min(2.0, 0.2 * 2**tries))
+                continue
+            if not (final and self.backlog):
+                break
+        for found in self.checkpoints.poll(final=final):
+            meta = self.ckpt_meta.get(found.path.name) or {"epoch": epoch_from_name(found.path.name)}
+            try:
+                self.hooks.record_checkpoint(found.path, meta)
+            except OSError:
+                log.exception("job %s: could not store checkpoint %s", self.key.job_id, found.path.name)
+
+    def _collect(self, final: bool) -> Batch:
+        batch, self.pending = self.pending, Batch()
+        if sum(len(data) for _, _, data in batch.logs) >= MAX_PENDING_BYTES:
+            self.backlog = True  # unread output is waiting in the files
+            return batch
+        backlog = False
         for logs in self.rank_logs:
-            offset, data = logs.read_new()
+            offset, data = logs.read_new(final=final)
+            backlog = backlog or logs.backlog
             if data:
                 batch.logs.append((logs.local_rank, offset, data))
         for event in self.events.read_new():
@@ -145,13 +195,11 @@ class NodeSupervisor:
                 self.ckpt_meta[event["file"]] = event
             else:
                 batch.events.append(event)
-        self.hooks.write_batch(batch)
-        for found in self.checkpoints.poll(final=final):
-            meta = self.ckpt_meta.get(found.path.name) or {"epoch": epoch_from_name(found.path.name)}
-            try:
-                self.hooks.record_checkpoint(found.path, meta)
-            except OSError:
-                log.exception("job %s: could not store checkpoint %s", self.key.job_id, found.path.name)
+        self.backlog = backlog or self.events.backlog
+        return batch
+
+    def _ids(self) -> tuple[int, int]:
+        return self.key.job_id, self.key.node_rank
 
     def _outcome(self, rc: int) -> NodeOutcome:
         if self.stop_reason == "cancel":
@@ -174,7 +222,7 @@ class NodeSupervisor:
         )
         trace = read_error_file(logs.error_file()) if logs else None
         stderr_tail = tail(logs.stderr_path()) if logs else ""
-        where = f"node {self.key.node_rank}"
+        where = f"node {self.key.node_rank}" + (f" on {self.host}" if self.host else "")
         if cause.rank is not None:
             where += f", rank {cause.rank} (local rank {cause.local_rank})"
         code = cause.exit_code if cause.exit_code is not None else rc
@@ -184,7 +232,28 @@ class NodeSupervisor:
         return NodeOutcome(state="failed", exit_code=code, error=error[-16000:], retryable=retry)
 
     def cleanup(self) -> None:
-        shutil.rmtree(self.plan.paths.run_dir, ignore_errors=True)
+        remove_run_dir(self.plan.paths.run_dir)
+
+
+def remove_run_dir(run_dir: Path) -> None:
+    """A node's folder and the short TMPDIR its `tmp` link points at."""
+    link = run_dir / "tmp"
+    if link.is_symlink():
+        shutil.rmtree(os.readlink(link), ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _new_group_dying_with_worker() -> None:
+    """Own process group (so a stop reaches every rank), and SIGTERM if the worker dies.
+
+    PR_SET_PDEATHSIG fires when the thread that started the agent ends; that thread is the
+    node task, which lives until the agent has exited, so the signal means the worker died.
+    torchrun forwards the SIGTERM to its ranks, which checkpoint and exit: no orphan keeps
+    training on GPU slots the scheduler has already given to someone else.
+    """
+    os.setsid()
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:

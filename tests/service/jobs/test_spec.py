@@ -24,15 +24,25 @@ def loc_of(spec: dict) -> tuple:
         ({"mode": "single", "entrypoint": BUILTIN, "bogus": 1}, ("bogus",)),
         ({"mode": "single", "gpus_per_node": 2, "entrypoint": BUILTIN}, ("gpus_per_node",)),
         ({"mode": "dp", "nodes": 2, "entrypoint": BUILTIN}, ("nodes",)),
-        ({"mode": "single", "entrypoint": BUILTIN, "hyperparameters": {"epochs": 0}}, ("hyperparameters", "epochs")),
-        ({"mode": "single", "entrypoint": {"kind": "builtin", "model": "resnet"}}, ("entrypoint", "builtin", "model")),
+        (
+            {"mode": "single", "entrypoint": BUILTIN, "hyperparameters": {"epochs": 0}},
+            ("hyperparameters", "epochs"),
+        ),
+        (
+            {"mode": "single", "entrypoint": {"kind": "builtin", "model": "resnet"}},
+            ("entrypoint", "builtin", "model"),
+        ),
         ({"mode": "ddp", "entrypoint": BUILTIN, "env": {"MASTER_PORT": "1"}}, ("env",)),
         ({"mode": "ddp", "entrypoint": BUILTIN, "env": {"LD_PRELOAD": "/x.so"}}, ("env",)),
         ({"mode": "ddp", "entrypoint": BUILTIN, "resume_from": {}}, ("resume_from",)),
-        ({"mode": "single", "entrypoint": {"kind": "script", "path": "a.py"}, "hyperparameters": {}},
-         ("hyperparameters",)),
-        ({"mode": "single", "entrypoint": {"kind": "factory", "model": "os.system", "dataset": "x:y"}},
-         ("entrypoint", "factory", "model")),
+        (
+            {"mode": "single", "entrypoint": {"kind": "script", "path": "a.py"}, "hyperparameters": {}},
+            ("hyperparameters",),
+        ),
+        (
+            {"mode": "single", "entrypoint": {"kind": "factory", "model": "os.system", "dataset": "x:y"}},
+            ("entrypoint", "factory", "model"),
+        ),
     ],
 )
 def test_contradictions_name_their_field(spec: dict, loc: tuple) -> None:

@@ -26,7 +26,10 @@ def test_a_job_that_does_not_fit_says_why() -> None:
 
 def test_priority_then_age() -> None:
     hosts = [Host(name="a", free=(0,))]
-    jobs = [QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=1), QueuedJob(id=2, priority=5, nodes=1, gpus_per_node=1)]
+    jobs = [
+        QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=1),
+        QueuedJob(id=2, priority=5, nodes=1, gpus_per_node=1),
+    ]
     assert list(plan(jobs, hosts, 300).placements) == [2]
 
 
@@ -43,20 +46,29 @@ def test_small_jobs_backfill_until_the_big_one_starves() -> None:
 
 
 clusters = st.lists(
-    st.tuples(st.integers(min_value=1, max_value=8), st.integers(min_value=0, max_value=8)), min_size=0, max_size=6
+    st.tuples(st.integers(min_value=1, max_value=8), st.integers(min_value=0, max_value=8)),
+    min_size=0,
+    max_size=6,
 )
 queues = st.lists(
-    st.tuples(st.integers(-2, 2), st.integers(1, 3), st.integers(1, 8), st.floats(0, 1000)), min_size=0, max_size=25
+    st.tuples(st.integers(-2, 2), st.integers(1, 3), st.integers(1, 8), st.floats(0, 1000)),
+    min_size=0,
+    max_size=25,
 )
 
 
 @settings(max_examples=300, deadline=None)
 @given(cluster=clusters, queue=queues)
-def test_placement_properties(cluster: list[tuple[int, int]], queue: list[tuple[int, int, int, float]]) -> None:
+def test_placement_properties(
+    cluster: list[tuple[int, int]], queue: list[tuple[int, int, int, float]]
+) -> None:
     hosts = []
     for i, (total, used) in enumerate(cluster):
         hosts.append(Host(name=f"h{i}", free=tuple(range(min(used, total), total))))
-    jobs = [QueuedJob(id=i + 1, priority=p, nodes=n, gpus_per_node=g, waited_s=w) for i, (p, n, g, w) in enumerate(queue)]
+    jobs = [
+        QueuedJob(id=i + 1, priority=p, nodes=n, gpus_per_node=g, waited_s=w)
+        for i, (p, n, g, w) in enumerate(queue)
+    ]
     result = plan(jobs, hosts, starvation_s=500)
     free = {h.name: set(h.free) for h in hosts}
     taken: dict[str, set[int]] = {h.name: set() for h in hosts}

@@ -40,7 +40,9 @@ def test_root_cause_is_the_first_failure_not_the_knock_on() -> None:
 
 def test_error_file_traceback(tmp_path: Path) -> None:
     path = tmp_path / "error.json"
-    path.write_text(json.dumps({"message": {"message": "ValueError: x", "extraInfo": {"py_callstack": "Traceback..."}}}))
+    path.write_text(
+        json.dumps({"message": {"message": "ValueError: x", "extraInfo": {"py_callstack": "Traceback..."}}})
+    )
     assert read_error_file(path) == "Traceback..."
     assert read_error_file(tmp_path / "missing.json") is None
 
@@ -61,7 +63,7 @@ def test_events_tail_waits_for_whole_lines(tmp_path: Path) -> None:
     path.write_bytes(b'{"a": 1}\n{"b"')
     assert tail.read_new() == [{"a": 1}]
     with open(path, "ab") as fh:
-        fh.write(b': 2}\nnot json\n')
+        fh.write(b": 2}\nnot json\n")
     assert tail.read_new() == [{"b": 2}]
 
 

@@ -1,0 +1,118 @@
+"""The per-app registry and the collector that reads the database at scrape time.
+
+Nothing is cached between scrapes: each scrape opens one short read-only transaction, so the numbers
+are the database's, whichever API replica serves the scrape.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from service.db import Database
+from service.jobs.states import ALL_STATES
+from service.metrics import repository as repo
+from service.workers import service as workers_service
+
+# Seconds a job waits in the queue: from "a free slot was there" to "a cluster was busy for hours".
+QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
+HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class DatabaseCollector(Collector):
+    """Jobs by state, queue waits, and GPUs per worker, read from the database on every scrape."""
+
+    def __init__(self, database: Callable[[], Database], clock: Callable[[], datetime] | None = None) -> None:
+        self._database = database
+        self._clock = clock or (lambda: datetime.now(UTC))
+
+    def describe(self) -> Iterator[Metric]:
+        # Declared empty so registering does not run a scrape (the database may not exist yet).
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        with self._database().read() as session:
+            counts = repo.job_counts_by_state(session)
+            waits = repo.queue_waits(session)
+            oldest = repo.oldest_queued_since(session)
+            used = repo.gpus_used_by_worker(session)
+            workers = workers_service.list_workers(session).items
+        now = self._clock()
+
+        jobs = GaugeMetricFamily("torchjobs_jobs", "Jobs in each state.", labels=["state"])
+        for state in ALL_STATES:
+            jobs.add_metric([state], counts.get(state, 0))
+        yield jobs
+
+        yield queue_wait_histogram([(started - queued).total_seconds() for queued, started in waits])
+
+        oldest_wait = GaugeMetricFamily(
+            "torchjobs_queue_oldest_wait_seconds",
+            "How long the longest-waiting queued job has waited (0 when the queue is empty).",
+        )
+        oldest_wait.add_metric([], max(0.0, (now - oldest).total_seconds()) if oldest else 0.0)
+        yield oldest_wait
+
+        total = GaugeMetricFamily(
+            "torchjobs_worker_gpus", "GPUs (or CPU slots) a worker has.", labels=["worker"]
+        )
+        busy = GaugeMetricFamily(
+            "torchjobs_worker_gpus_used", "GPUs of a worker held by jobs.", labels=["worker"]
+        )
+        free = GaugeMetricFamily(
+            "torchjobs_worker_gpus_free",
+            "GPUs of a worker free for new jobs (0 while the worker is offline).",
+            labels=["worker"],
+        )
+        online = GaugeMetricFamily(
+            "torchjobs_worker_online",
+            "1 while the worker heartbeats, 0 once it is offline.",
+            labels=["worker"],
+        )
+        for w in workers:
+            total.add_metric([w.name], w.gpus)
+            busy.add_metric([w.name], used.get(w.name, 0))
+            free.add_metric([w.name], w.gpus_free)
+            online.add_metric([w.name], 1 if w.state == "online" else 0)
+        yield from (total, busy, free, online)
+
+
+def queue_wait_histogram(waits: Sequence[float]) -> HistogramMetricFamily:
+    """A cumulative histogram of queue waits in seconds (a negative wait, from clock skew, counts as 0)."""
+    counts = [0] * (len(QUEUE_WAIT_BUCKETS) + 1)
+    total = 0.0
+    for wait in waits:
+        wait = max(0.0, wait)
+        total += wait
+        counts[bisect.bisect_left(QUEUE_WAIT_BUCKETS, wait)] += 1
+    buckets, running = [], 0
+    for bound, count in zip((*QUEUE_WAIT_BUCKETS, float("inf")), counts, strict=True):
+        running += count
+        buckets.append((floatToGoString(bound), running))
+    family = HistogramMetricFamily(
+        "torchjobs_job_queue_wait_seconds",
+        "Time from entering the queue to running, per attempt that started (retries count again).",
+    )
+    family.add_metric([], buckets, sum_value=total)
+    return family
+
+
+class AppMetrics:
+    """One app's registry: the request-latency histogram and the database collector."""
+
+    def __init__(self, database: Callable[[], Database]) -> None:
+        self.registry = CollectorRegistry()
+        self.http_latency = Histogram(
+            "torchjobs_http_request_duration_seconds",
+            "HTTP request latency by route template (to the response's first byte for event streams).",
+            ["method", "route", "status"],
+            buckets=HTTP_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(DatabaseCollector(database))

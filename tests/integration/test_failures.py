@@ -1,0 +1,220 @@
+"""Issue 7: cancels, lost workers, retries from the last checkpoint, restarts — real processes killed.
+
+Each test builds its own PostgreSQL + Redis stack, because these tests kill its parts.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import harness
+from tests.harness import Stack, pids_of_job, wait_event, wait_for
+
+LONG = {"kind": "builtin", "model": "cnn", "dataset": "synthetic"}
+
+
+@pytest.fixture
+def stack(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Stack]:
+    s = harness.production_stack(tmp_path, pg_url, redis_url, workers={"w1": 2})
+    yield s
+    s.stop()
+
+
+def long_job(**extra: object) -> dict:
+    spec = {
+        "mode": "ddp",
+        "gpus_per_node": 2,
+        "entrypoint": LONG,
+        "hyperparameters": {"epochs": 200, "synthetic_size": 4096, "num_workers": 0, "report_every": 5},
+    }
+    spec.update(extra)
+    return spec
+
+
+def gpus_free(stack: Stack, worker: str) -> int:
+    with stack.client() as c:
+        return next(w["gpus_free"] for w in c.get("/v1/workers").json()["items"] if w["name"] == worker)
+
+
+def test_cancel_running_ddp_job_leaves_no_process_and_frees_gpus(stack: Stack) -> None:
+    job = stack.submit(long_job())
+    wait_event(stack, job["id"], lambda e: e["type"] == "progress")
+    assert pids_of_job(job["id"], stack.home)  # it really runs
+    assert gpus_free(stack, "w1") == 0
+    started = time.monotonic()
+    with stack.client() as c:
+        resp = c.post(f"/v1/jobs/{job['id']}/cancel")
+        assert resp.status_code == 202 and resp.json()["state"] == "cancelling"
+        assert c.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202  # twice is harmless
+    done = stack.wait_job(job["id"], timeout=60)
+    assert done["state"] == "cancelled"
+    assert time.monotonic() - started < 5 + 10  # grace (5 s here) plus a few seconds
+    assert pids_of_job(job["id"], stack.home) == []
+    assert gpus_free(stack, "w1") == 2
+    with stack.client() as c:
+        assert c.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202  # already cancelled: fine
+
+
+def test_cancel_queued_job_is_immediate_and_finished_job_is_409(stack: Stack) -> None:
+    blocker = stack.submit(long_job())
+    queued = stack.submit(long_job())
+    with stack.client() as c:
+        assert c.get(f"/v1/jobs/{queued['id']}").json()["state"] == "queued"
+        resp = c.post(f"/v1/jobs/{queued['id']}/cancel")
+        assert resp.status_code == 202 and resp.json()["state"] == "cancelled"
+        c.post(f"/v1/jobs/{blocker['id']}/cancel")
+    stack.wait_job(blocker["id"], timeout=60)
+    fail = stack.submit({"mode": "single", "entrypoint": {"kind": "script", "path": "fail.py"}})
+    stack.wait_job(fail["id"])
+    with stack.client() as c:
+        assert c.post(f"/v1/jobs/{fail['id']}/cancel").status_code == 409
+
+
+def final_weights(stack: Stack, job: dict) -> dict[str, torch.Tensor]:
+    with stack.client() as c:
+        blob = c.get(job["latest_checkpoint"]["download_url"]).content
+    return torch.load(io.BytesIO(blob), weights_only=True)["state_dict"]["net"]
+
+
+def test_killed_worker_job_retries_from_checkpoint_to_identical_weights(stack: Stack) -> None:
+    hyper = {"epochs": 3, "synthetic_size": 12000, "num_workers": 0, "report_every": 20, "seed": 3}
+    spec = {"mode": "single", "entrypoint": LONG, "hyperparameters": hyper, "max_retries": 1}
+    job = stack.submit(spec)
+    wait_event(stack, job["id"], lambda e: e["type"] == "checkpoint")
+    stack.kill("worker-w1")  # SIGKILL to the worker's process group...
+    harness.kill_job_processes(job["id"], stack.home)  # ...and to its children in their own groups
+    stack.start_worker("w1", 2)
+    done = stack.wait_job(job["id"], timeout=300)
+    assert done["state"] == "succeeded", done["error"]
+    assert done["attempt"] == 2
+    assert [a["attempt"] for a in done["attempts"]] == [1, 2]
+    assert "worker lost" in (done["attempts"][0]["reason"] or "")
+    states = [e["data"]["state"] for e in stack.events(job["id"]) if e["type"] == "state"]
+    assert states == ["queued", "scheduled", "running", "queued", "scheduled", "running", "succeeded"]
+
+    straight = stack.submit({**spec, "max_retries": 0})
+    straight_done = stack.wait_job(straight["id"], timeout=300)
+    assert straight_done["state"] == "succeeded"
+    a, b = final_weights(stack, done), final_weights(stack, straight_done)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_killing_one_node_of_a_two_node_job_ends_the_attempt(stack: Stack) -> None:
+    stack.start_worker("w2", 2)
+    job = stack.submit(long_job(nodes=2))
+    wait_event(stack, job["id"], lambda e: e["type"] == "progress", timeout=180)
+    assignments = stack.wait_job(job["id"], states=("running",))["assignments"]
+    assert {a["worker"] for a in assignments} == {"w1", "w2"}
+    victim = next(a["worker"] for a in assignments if a["node_rank"] == 1)
+    stack.kill(f"worker-{victim}")
+    done = stack.wait_job(job["id"], timeout=60)
+    assert done["state"] == "failed"
+    wait_for(
+        lambda: pids_of_job(job["id"], stack.home) == [] or None, 30, "the surviving node's ranks to be gone"
+    )
+
+
+def test_api_server_restart_mid_job(stack: Stack) -> None:
+    spec = {
+        "mode": "single",
+        "entrypoint": LONG,
+        "hyperparameters": {"epochs": 3, "synthetic_size": 8000, "num_workers": 0},
+    }
+    job = stack.submit(spec)
+    wait_event(stack, job["id"], lambda e: e["type"] == "progress")
+    stack.kill("server")
+    time.sleep(2)
+    stack.start_server()
+    done = stack.wait_job(job["id"], timeout=240)
+    assert done["state"] == "succeeded", done["error"]
+    seqs = [e["seq"] for e in stack.events(job["id"])]
+    assert seqs == list(range(1, len(seqs) + 1))
+
+
+def test_same_message_twice_does_not_start_a_second_copy(stack: Stack) -> None:
+    from service.config import Settings
+    from workers.celery_app import make_celery, send_node
+
+    spec = {
+        "mode": "single",
+        "entrypoint": LONG,
+        "hyperparameters": {"epochs": 2, "synthetic_size": 8000, "num_workers": 0},
+    }
+    job = stack.submit(spec)
+    wait_event(stack, job["id"], lambda e: e["type"] == "progress")
+    celery = make_celery(Settings(broker_url=stack.env["TORCHJOBS_BROKER_URL"]))
+    send_node(celery, job_id=job["id"], attempt=1, node_rank=0, worker="w1")
+    time.sleep(3)
+    agents = [
+        p
+        for p in pids_of_job(job["id"], stack.home)
+        if b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+    assert len(agents) == 1
+    done = stack.wait_job(job["id"])
+    assert done["state"] == "succeeded" and done["attempt"] == 1
+    assert "nothing to do" in stack.logs_of("worker-w1")
+
+
+def restart_redis() -> None:
+    """Stop the real Redis server and start it again with the command CI uses."""
+    import subprocess
+
+    subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", "6379", "shutdown", "nosave"], capture_output=True)
+    wait_for(
+        lambda: subprocess.run(["redis-cli", "ping"], capture_output=True).returncode != 0 or None,
+        15,
+        "redis to stop",
+    )
+    time.sleep(2)
+    subprocess.run(
+        [
+            "redis-server",
+            "--daemonize",
+            "yes",
+            "--bind",
+            "127.0.0.1",
+            "-::1",
+            "--port",
+            "6379",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            "/var/lib/redis",
+            "--logfile",
+            "/var/log/redis/ci.log",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    wait_for(
+        lambda: subprocess.run(["redis-cli", "ping"], capture_output=True).returncode == 0 or None,
+        15,
+        "redis to start",
+    )
+
+
+def test_redis_restart_mid_job(stack: Stack) -> None:
+    spec = {
+        "mode": "single",
+        "entrypoint": LONG,
+        "hyperparameters": {"epochs": 3, "synthetic_size": 8000, "num_workers": 0},
+    }
+    job = stack.submit(spec)
+    wait_event(stack, job["id"], lambda e: e["type"] == "progress")
+    restart_redis()  # the queued message of the next job was lost with it: it is sent again
+    second = stack.submit(spec)
+    for j in (job, second):
+        done = stack.wait_job(j["id"], timeout=300)
+        assert done["state"] == "succeeded", done["error"]
+        seqs = [e["seq"] for e in stack.events(j["id"])]
+        assert seqs == list(range(1, len(seqs) + 1))
