@@ -203,12 +203,15 @@ def embedded_stack(home: Path) -> Stack:
     return stack
 
 
-def production_stack(home: Path, pg_url: str, redis_url: str, workers: dict[str, int] | None = None) -> Stack:
+def production_stack(
+    home: Path, pg_url: str, redis_url: str, workers: dict[str, int] | None = None, **extra_env: str
+) -> Stack:
     env = make_env(
         home,
         TORCHJOBS_DATABASE_URL=pg_url,
         TORCHJOBS_BROKER_URL=redis_url,
         TORCHJOBS_STORAGE_URL=f"file://{home / 'shared-storage'}",
+        **extra_env,
     )
     subprocess.run(torchjobs_cmd("db", "upgrade"), env=env, check=True, capture_output=True)
     stack = Stack(home=home, env=env, port=free_port(), embedded=False)

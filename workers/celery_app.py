@@ -1,10 +1,14 @@
 """The Celery app: it only delivers work. All state lives in the database.
 
-Settings for hour-long tasks: late acknowledgement and a prefetch of one, so a worker never
-holds messages it cannot start; a visibility timeout far longer than any job — and the node
-task is idempotent anyway (a re-delivered message for an attempt already claimed does
-nothing), so correctness does not depend on it. The embedded broker is kombu's filesystem
-transport: a folder under TORCHJOBS_HOME, no server.
+Hour-long tasks and brokers that restart: we acknowledge a message as soon as a worker takes
+it (prefetch of one), and do not depend on late acknowledgement or on the visibility timeout.
+The node row in the database is the truth: a re-delivered or duplicated message finds its
+node already claimed and does nothing, and a message lost before its node was claimed (a
+worker that died on receipt, a broker restart) is sent again by the scheduler
+(`service.scheduler.loop.undelivered`). Late acknowledgement was tried and dropped: with it a
+running node holds an unacked message for hours, and kombu's Redis transport crashed the
+consumer ("Unrecoverable error") while restoring that message after a Redis restart.
+The embedded broker is kombu's filesystem transport: a folder under TORCHJOBS_HOME, no server.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def make_celery(settings: Settings) -> Celery:
     app.conf.update(
         broker_transport_options=transport_options,
         broker_connection_retry_on_startup=True,
-        task_acks_late=True,
+        task_acks_late=False,
         task_reject_on_worker_lost=False,
         worker_prefetch_multiplier=1,
         task_ignore_result=True,

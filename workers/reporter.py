@@ -17,7 +17,7 @@ from sqlalchemy import select
 from service.checkpoints import service as checkpoints_service
 from service.db import Database
 from service.jobs.lifecycle import NodeOutcome, finish_node
-from service.jobs.states import append_event, lock_job
+from service.jobs.states import append_event, append_events, lock_job
 from service.models import Checkpoint, Job, LogChunk
 from service.notify import mark_logs
 from service.schemas import checkpoint_out
@@ -80,10 +80,10 @@ def write_batch(db: Database, key: NodeKey, batch: Batch) -> None:
         job = lock_job(session, key.job_id)
         if job is None or job.attempt != key.attempt:
             return
+        cleaned = [_clean(event) for event in progress]
+        append_events(session, job.id, [("progress", data) for data in cleaned])
         latest = dict(job.progress or {})
-        for event in progress:
-            data = _clean(event)
-            append_event(session, job.id, "progress", data)
+        for data in cleaned:
             latest.update({k: data[k] for k in PROGRESS_FIELDS if k in data})
         job.progress = latest
 

@@ -10,6 +10,6 @@ from workers.node import run_node
 
 
 def register_tasks(app: Celery) -> None:
-    @app.task(name=RUN_NODE, acks_late=True, ignore_result=True)
+    @app.task(name=RUN_NODE, acks_late=False, ignore_result=True)
     def run_node_task(job_id: int, attempt: int, node_rank: int) -> str:
         return run_node(context.current(), int(job_id), int(attempt), int(node_rank))

@@ -47,19 +47,31 @@ def lock_job(session: Session, job_id: int) -> Job | None:
 
 def append_event(session: Session, job_id: int, type_: str, data: dict[str, Any]) -> JobEvent:
     """Allocate the next per-job `seq` in the database: no gaps, whoever writes."""
-    seq = session.execute(
+    return append_events(session, job_id, [(type_, data)])[0]
+
+
+def append_events(session: Session, job_id: int, items: list[tuple[str, dict[str, Any]]]) -> list[JobEvent]:
+    """Append several events with one `UPDATE … + n`: a batch of progress costs one row
+    update, not one per report. The row lock it takes orders concurrent writers."""
+    if not items:
+        return []
+    last = session.execute(
         update(Job)
         .where(Job.id == job_id)
-        .values(last_event_seq=Job.last_event_seq + 1)
+        .values(last_event_seq=Job.last_event_seq + len(items))
         .returning(Job.last_event_seq)
         .execution_options(synchronize_session=False)
     ).scalar_one()
-    event = JobEvent(job_id=job_id, seq=seq, ts=utcnow(), type=type_, data=data)
-    session.add(event)
+    now = utcnow()
+    first = last - len(items) + 1
+    events = [
+        JobEvent(job_id=job_id, seq=first + i, ts=now, type=type_, data=data)
+        for i, (type_, data) in enumerate(items)
+    ]
+    session.add_all(events)
     session.flush()
-    notify = session.info.setdefault("notify_jobs", set())
-    notify.add(job_id)
-    return event
+    session.info.setdefault("notify_jobs", set()).add(job_id)
+    return events
 
 
 def transition_job(session: Session, job: Job, new_state: str, reason: str | None = None) -> JobEvent:

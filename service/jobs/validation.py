@@ -54,8 +54,11 @@ def resolve_resume(session: Session, spec: JobSpec, user: User) -> int | None:
         return None
     owner_clause = [] if user.is_admin else [Checkpoint.owner_id == user.id]
     if spec.resume_from.checkpoint_id is not None:
+        # FOR SHARE: retention cannot delete it between this check and our commit
         found = session.execute(
-            select(Checkpoint.id).where(Checkpoint.id == spec.resume_from.checkpoint_id, *owner_clause)
+            select(Checkpoint.id)
+            .where(Checkpoint.id == spec.resume_from.checkpoint_id, *owner_clause)
+            .with_for_update(read=True)
         ).scalar_one_or_none()
         if found is None:
             raise InvalidSpec(("resume_from", "checkpoint_id"), "no such checkpoint")
@@ -67,7 +70,11 @@ def resolve_resume(session: Session, spec: JobSpec, user: User) -> int | None:
     if job is None:
         raise InvalidSpec(("resume_from", "job_id"), "no such job")
     latest = session.execute(
-        select(Checkpoint.id).where(Checkpoint.job_id == job).order_by(Checkpoint.id.desc()).limit(1)
+        select(Checkpoint.id)
+        .where(Checkpoint.job_id == job)
+        .order_by(Checkpoint.id.desc())
+        .limit(1)
+        .with_for_update(read=True)
     ).scalar_one_or_none()
     if latest is None:
         raise InvalidSpec(("resume_from", "job_id"), "that job has no checkpoint yet")

@@ -45,12 +45,8 @@ def two_hosts(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[tuple[Sta
     net = Network(tag=str(os.getpid() % 10000))
     net.up()
     stack = harness.production_stack(
-        tmp_path,
-        pg_url,
-        redis_url,
-        workers={},
+        tmp_path, pg_url, redis_url, workers={}, TORCHJOBS_RENDEZVOUS_TIMEOUT_S="20"
     )
-    stack.env["TORCHJOBS_RENDEZVOUS_TIMEOUT_S"] = "20"
     env = worker_env(stack, net, net.forward(5432), net.forward(6379))
     try:
         yield stack, net, env
