@@ -1,0 +1,78 @@
+"""The real `torchjobs` command against a real server: YAML specs, watch, download, JSON output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import harness
+from tests.harness import Stack
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "digits-ddp.yaml"
+
+
+def cli(stack: Stack, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHJOBS_")}
+    env.update(
+        TORCHJOBS_URL=stack.url, TORCHJOBS_TOKEN=harness.ADMIN_TOKEN, TORCHJOBS_HOME=str(stack.home / "cli")
+    )
+    exe = Path(sys.executable).parent / "torchjobs"
+    return subprocess.run([str(exe), *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_submit_yaml_watch_download_and_json_output(embedded: Stack, tmp_path: Path) -> None:
+    sub = cli(
+        embedded,
+        "submit",
+        str(EXAMPLE),
+        "--set",
+        "hyperparameters.epochs=2",
+        "--set",
+        "name=cli-digits",
+        "--output",
+        "json",
+    )
+    assert sub.returncode == 0, sub.stderr
+    job = json.loads(sub.stdout)
+    assert job["name"] == "cli-digits" and job["hyperparameters"]["epochs"] == 2 and job["mode"] == "ddp"
+
+    watch = cli(embedded, "watch", str(job["id"]))
+    assert watch.returncode == 0, watch.stderr  # 0: the job succeeded
+    assert "succeeded" in watch.stderr
+
+    listed = json.loads(cli(embedded, "ls", "--output", "json").stdout)
+    assert job["id"] in [j["id"] for j in listed["items"]]
+    shown = json.loads(cli(embedded, "show", str(job["id"])).stdout)
+    assert shown["state"] == "succeeded"
+
+    ckpts = json.loads(cli(embedded, "checkpoints", str(job["id"]), "--output", "json").stdout)["items"]
+    assert [c["epoch"] for c in ckpts] == [1, 2]
+    dest = tmp_path / "final.pt"
+    down = cli(embedded, "download", str(ckpts[-1]["id"]), "-o", str(dest), "--output", "json")
+    assert down.returncode == 0, down.stderr
+    result = json.loads(down.stdout)
+    assert result["verified"] is True
+    assert hashlib.sha256(dest.read_bytes()).hexdigest() == ckpts[-1]["sha256"] == result["sha256"]
+
+
+def test_validation_errors_are_shown_plainly_with_exit_2(embedded: Stack) -> None:
+    bad = cli(embedded, "submit", str(EXAMPLE), "--set", "mode=single")
+    assert bad.returncode == 2
+    assert "gpus_per_node" in bad.stderr and "exactly 1 GPU" in bad.stderr
+    unknown = cli(embedded, "show", "999999")
+    assert unknown.returncode == 2 and "404" in unknown.stderr
+
+
+@pytest.mark.parametrize(("script", "code"), [("fail.py", 1)])
+def test_watch_exit_code_says_how_the_job_ended(embedded: Stack, script: str, code: int) -> None:
+    sub = cli(
+        embedded, "submit", "--set", "mode=single", "--set", f"entrypoint={{kind: script, path: {script}}}"
+    )
+    assert sub.returncode == 0, sub.stderr
+    assert cli(embedded, "watch", sub.stdout.strip()).returncode == code
