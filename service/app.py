@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __version__
 from service.api.deps import UserDep
@@ -91,7 +95,25 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
     )
     for router in routers:
         app.include_router(router, responses=ERROR_RESPONSES)
+    _document_streams(app)
     return app
+
+
+def _document_streams(app: FastAPI) -> None:
+    """FastAPI documents a streaming response as one string; say what each SSE message is."""
+    from service.streams.router import SSE_MESSAGE
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path, item in schema["paths"].items():
+                if path.endswith("/stream") and "get" in item:
+                    ok = item["get"]["responses"]["200"]
+                    ok["content"] = {"text/event-stream": {"schema": SSE_MESSAGE}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _celery_dispatcher(settings: Settings):  # type: ignore[no-untyped-def]
@@ -108,11 +130,30 @@ def _celery_dispatcher(settings: Settings):  # type: ignore[no-untyped-def]
     return dispatch
 
 
+def _allowed_methods(app: FastAPI, path: str) -> list[str]:
+    if not hasattr(app.state, "path_methods"):
+        table = []
+        for template, item in app.openapi()["paths"].items():
+            pattern = re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(template)) + "$")
+            table.append((pattern, sorted(m.upper() for m in item)))
+        app.state.path_methods = table
+    return sorted({m for pattern, methods in app.state.path_methods if pattern.match(path) for m in methods})
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TorchJobsError)
     async def _domain_error(_request: Request, exc: TorchJobsError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
         return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Starlette's 405 names only the first route on the path; list every method it has."""
+        if exc.status_code != 405:
+            return await http_exception_handler(request, exc)
+        methods = _allowed_methods(app, request.url.path)
+        headers = {"Allow": ", ".join(methods)} if methods else dict(exc.headers or {})
+        return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

@@ -7,6 +7,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+# Ids and event sequence numbers are 32-bit INTEGER columns: a larger number in a path or a
+# query is a 422, never a database error.
+MAX_ID = 2**31 - 1
+
 
 class Output(BaseModel):
     model_config = ConfigDict(from_attributes=True)

@@ -16,6 +16,7 @@ from service.db import Database
 from service.errors import Forbidden, Unauthorized
 from service.jobs import service as jobs_service
 from service.models import Job, User
+from service.schemas import MAX_ID
 
 bearer = HTTPBearer(auto_error=False, description="torchjobs bearer token")
 
@@ -55,7 +56,7 @@ def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
 def caller_job(
     session: Annotated[Session, Depends(get_session)],
     user: Annotated[User, Depends(current_user)],
-    job_id: Annotated[int, Path(ge=1, le=2**62)],
+    job_id: Annotated[int, Path(ge=1, le=MAX_ID)],
 ) -> Job:
     return jobs_service.get_job(session, user, job_id)
 

@@ -138,7 +138,7 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
         return None
     first, dash, last = spec.strip().partition("-")
     first, last = first.strip(), last.strip()
-    if not dash or not (first.isdigit() or first == "") or not (last.isdigit() or last == ""):
+    if not dash or not (_byte_pos(first) and _byte_pos(last)):
         return None
     if first == "":
         if last == "":
@@ -154,6 +154,11 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
         raise UnsatisfiableRange(size)
     end = size if not last else min(int(last) + 1, size)
     return start, end
+
+
+def _byte_pos(text: str) -> bool:
+    """Empty, or ASCII digits short enough to be a real position (never '³', never 5000 digits)."""
+    return text == "" or (text.isascii() and text.isdigit() and len(text) <= 19)
 
 
 async def read_range(storage: Storage, key: str, start: int, end: int) -> AsyncIterator[bytes]:

@@ -8,11 +8,17 @@ from service.api.deps import JobDep, SessionDep, SettingsDep, UserDep
 from service.jobs import service
 from service.jobs.schemas import EventList, JobList, JobOut, MetricsOut
 from service.jobs.spec import JobSpec
+from service.schemas import MAX_ID
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
-@router.post("", status_code=201, response_model=JobOut)
+@router.post(
+    "",
+    status_code=201,
+    response_model=JobOut,
+    responses={200: {"model": JobOut, "description": "the job first created with this Idempotency-Key"}},
+)
 def submit_job(
     spec: JobSpec,
     response: Response,
@@ -54,7 +60,7 @@ def cancel_job(job: JobDep, session: SessionDep, user: UserDep) -> JobOut:
 def list_events(
     job: JobDep,
     session: SessionDep,
-    after: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> EventList:
     return EventList(items=service.list_events(session, job, after, limit))

@@ -6,6 +6,7 @@ commit (the request's session dependency does) and never import FastAPI.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from service.jobs.spec import JobSpec
 from service.jobs.states import ALL_STATES, CANCELLED, CANCELLING, QUEUED, TERMINAL, transition_job
 from service.jobs.validation import validate_in_context
 from service.models import Job, User
-from service.schemas import checkpoint_out
+from service.schemas import MAX_ID, checkpoint_out
 
 PROGRESS_KEYS = (
     "epoch",
@@ -100,7 +101,7 @@ def list_jobs(session: Session, user: User, state: str | None, limit: int, curso
 def _parse_cursor(cursor: str | None) -> int | None:
     if cursor is None or cursor == "":
         return None
-    if not cursor.isdigit() or len(cursor) > 18:
+    if not re.fullmatch(r"[0-9]{1,10}", cursor) or int(cursor) > MAX_ID + 1:
         raise InvalidSpec(("cursor",), "invalid cursor")
     return int(cursor)
 

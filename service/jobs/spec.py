@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from service.schemas import MAX_ID
+
 NAME = Annotated[str, Field(min_length=1, max_length=128)]
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 FORBIDDEN_ENV = {
@@ -38,7 +40,9 @@ CALLABLE_RE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Z
 
 
 class Input(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict: `true` is not a priority and "3" is not a GPU count."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class BuiltinEntrypoint(Input):
@@ -83,8 +87,8 @@ class Hyperparameters(Input):
 
 
 class ResumeFrom(Input):
-    checkpoint_id: int | None = Field(None, ge=1, le=2**62)
-    job_id: int | None = Field(None, ge=1, le=2**62)
+    checkpoint_id: int | None = Field(None, ge=1, le=MAX_ID)
+    job_id: int | None = Field(None, ge=1, le=MAX_ID)
 
     @model_validator(mode="after")
     def _exactly_one(self) -> ResumeFrom:

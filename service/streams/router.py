@@ -8,11 +8,13 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request, Response
+from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from service.api.deps import DbDep, JobDep, SessionDep, SettingsDep, bearer, caller_job, current_user
 from service.models import Job
+from service.schemas import MAX_ID
 from service.streams import service
 from service.streams.service import LogEnd, Streams
 
@@ -32,6 +34,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 router = APIRouter(tags=["streams"], lifespan=lifespan)
 
 Position = Annotated[int, Query(ge=0, le=2**62)]
+Seq = Annotated[int, Query(ge=0, le=MAX_ID)]
 Node = Annotated[int, Query(ge=0, le=100_000, description="node rank")]
 Rank = Annotated[int, Query(ge=0, le=100_000, description="local rank on that node")]
 Attempt = Annotated[int | None, Query(ge=1, le=1_000_000, description="default: the latest")]
@@ -42,7 +45,7 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def stream_job(
     db: DbDep,
     creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
-    job_id: Annotated[int, Path(ge=1, le=2**62)],
+    job_id: Annotated[int, Path(ge=1, le=MAX_ID)],
 ) -> Job:
     """`caller_job` in a read of its own that ends before the stream starts: a request-scoped
     session would stay open (on SQLite, holding the write lock) for as long as the stream."""
@@ -64,13 +67,22 @@ def _sse(
     )
 
 
-@router.get("/v1/jobs/{job_id}/events/stream")
+SSE_MESSAGE = {
+    "type": "object",
+    "description": "one SSE message: `id`, `event` (the type) and `data` (JSON)",
+    "properties": {"id": {"type": "string"}, "event": {"type": "string"}, "data": {"type": "string"}},
+}
+SSE = {200: {"content": {"text/event-stream": {"schema": SSE_MESSAGE}}, "description": "Server-Sent Events"}}
+TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "log bytes"}}
+
+
+@router.get("/v1/jobs/{job_id}/events/stream", response_class=EventSourceResponse, responses=SSE)
 async def stream_events(
-    request: Request, job: StreamJob, after: Position = 0, last_event_id: LastEventId = None
+    request: Request, job: StreamJob, after: Seq = 0, last_event_id: LastEventId = None
 ) -> EventSourceResponse:
     """`id: SEQ`, `event: TYPE`, `data: EVENT_JSON`; resumes after the larger of `?after=` and
     `Last-Event-ID`; ends after the terminal state event."""
-    start = service.start_position(after, last_event_id)
+    start = service.start_position(after, last_event_id, cap=MAX_ID)
     streams: Streams = request.app.state.streams
 
     async def messages() -> AsyncIterator[ServerSentEvent]:
@@ -80,7 +92,7 @@ async def stream_events(
     return _sse(request, messages())
 
 
-@router.get("/v1/jobs/{job_id}/logs")
+@router.get("/v1/jobs/{job_id}/logs", response_class=PlainTextResponse, responses=TEXT)
 def get_logs(
     job: JobDep,
     session: SessionDep,
@@ -99,7 +111,7 @@ def get_logs(
     )
 
 
-@router.get("/v1/jobs/{job_id}/logs/stream")
+@router.get("/v1/jobs/{job_id}/logs/stream", response_class=EventSourceResponse, responses=SSE)
 async def stream_logs(
     request: Request,
     job: StreamJob,

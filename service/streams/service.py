@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -172,14 +173,16 @@ def compact_json(obj: object) -> str:
 # --- positions ------------------------------------------------------------------------------
 
 
-def start_position(after: int, last_event_id: str | None, field: str = "Last-Event-ID") -> int:
+def start_position(
+    after: int, last_event_id: str | None, field: str = "Last-Event-ID", cap: int = MAX_POSITION
+) -> int:
     """Where a stream resumes: the larger of `?after=` and the `Last-Event-ID` header."""
     if last_event_id is None or last_event_id.strip() == "":
         return after
     value = last_event_id.strip()
-    if not value.isdigit() or len(value) > 18:
+    if not re.fullmatch(r"[0-9]{1,18}", value):
         raise InvalidSpec((field,), "must be a non-negative integer")
-    return max(after, min(int(value), MAX_POSITION))
+    return max(after, min(int(value), cap))
 
 
 def check_log_position(job: Job, node: int, attempt: int | None) -> int:

@@ -5,6 +5,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Response
 
 from service.api.deps import AdminDep, SessionDep, UserDep
+from service.schemas import MAX_ID
 from service.users import service
 from service.users.schemas import UserCreate, UserCreated, UserOut
 
@@ -23,7 +24,7 @@ def me(user: UserDep) -> UserOut:
 
 @router.delete("/users/{user_id}/tokens", status_code=204)
 def revoke_tokens(
-    user_id: Annotated[int, Path(ge=1, le=2**62)], session: SessionDep, _admin: AdminDep
+    user_id: Annotated[int, Path(ge=1, le=MAX_ID)], session: SessionDep, _admin: AdminDep
 ) -> Response:
     service.rotate_token(session, user_id, issue_new=False)
     return Response(status_code=204)
@@ -31,7 +32,7 @@ def revoke_tokens(
 
 @router.post("/users/{user_id}/tokens", status_code=201, response_model=UserCreated)
 def issue_token(
-    user_id: Annotated[int, Path(ge=1, le=2**62)], session: SessionDep, _admin: AdminDep
+    user_id: Annotated[int, Path(ge=1, le=MAX_ID)], session: SessionDep, _admin: AdminDep
 ) -> UserCreated:
     created = service.rotate_token(session, user_id, issue_new=True)
     assert created is not None
