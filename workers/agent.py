@@ -25,6 +25,7 @@ from service.workers import repository as workers_repo
 from workers import context
 from workers.celery_app import make_celery, queue_for
 from workers.context import WorkerContext
+from workers.launcher.procs import kill_under
 from workers.launcher.supervisor import remove_run_dir
 from workers.tasks import register_tasks
 
@@ -45,7 +46,12 @@ def detect_gpus(accelerator: str) -> tuple[str, int]:
 
 
 def remove_stale_runs(run_root: Path) -> None:
-    """Nodes of a previous process of this worker are lost anyway: drop what they left."""
+    """Nodes of a previous process of this worker are lost anyway: stop any rank of theirs
+    still running (an orphan would hold GPUs the scheduler now gives to others) and drop
+    what they left."""
+    killed = kill_under(str(run_root) + "/")
+    if killed:
+        log.warning("killed %s orphaned process(es) of a previous worker process", killed)
     for run_dir in run_root.glob("job-*/attempt-*/node-*"):
         remove_run_dir(run_dir)
     shutil.rmtree(run_root, ignore_errors=True)

@@ -6,6 +6,8 @@ Each test builds its own PostgreSQL + Redis stack, because these tests kill its 
 from __future__ import annotations
 
 import io
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +78,20 @@ def test_cancel_queued_job_is_immediate_and_finished_job_is_409(stack: Stack) ->
         assert c.post(f"/v1/jobs/{fail['id']}/cancel").status_code == 409
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def environ(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return b""
+
+
 def final_weights(stack: Stack, job: dict) -> dict[str, torch.Tensor]:
     with stack.client() as c:
         blob = c.get(job["latest_checkpoint"]["download_url"]).content
@@ -87,9 +103,19 @@ def test_killed_worker_job_retries_from_checkpoint_to_identical_weights(stack: S
     spec = {"mode": "single", "entrypoint": LONG, "hyperparameters": hyper, "max_retries": 1}
     job = stack.submit(spec)
     wait_event(stack, job["id"], lambda e: e["type"] == "checkpoint")
-    stack.kill("worker-w1")  # SIGKILL to the worker's process group...
-    harness.kill_job_processes(job["id"], stack.home)  # ...and to its children in their own groups
-    stack.start_worker("w1", 2)
+    # The worst case: the worker and its torchrun agent die at once (SIGKILL), so nobody
+    # tells the ranks, which torchrun runs in sessions of their own: they are orphans now.
+    agents = [p for p in pids_of_job(job["id"], stack.home) if b"torch.distributed.run" in cmdline(p)]
+    stack.kill("worker-w1")
+    for pid in agents:
+        os.kill(pid, signal.SIGKILL)
+    assert pids_of_job(job["id"], stack.home)  # the orphaned ranks are still running
+    stack.start_worker("w1", 2)  # the new worker process stops them first
+    wait_for(
+        lambda: all(b"attempt-1" not in environ(p) for p in pids_of_job(job["id"], stack.home)) or None,
+        20,
+        "the orphans of attempt 1 to be gone",
+    )
     done = stack.wait_job(job["id"], timeout=300)
     assert done["state"] == "succeeded", done["error"]
     assert done["attempt"] == 2

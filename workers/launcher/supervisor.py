@@ -27,6 +27,7 @@ from service.jobs.states import CANCELLING
 from workers.launcher.command import LaunchPlan, config_json, processes_per_node
 from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, RankLogs, epoch_from_name
+from workers.launcher.procs import kill_under, pids_under, signal_all
 from workers.reporter import Batch, NodeKey
 
 log = logging.getLogger("torchjobs.worker")
@@ -98,6 +99,7 @@ class NodeSupervisor:
                 rc = self._watch(proc)
             finally:
                 _kill_group(proc.pid, signal.SIGKILL)
+                kill_under(str(self.plan.paths.run_dir) + "/")  # ranks live in sessions of their own
         self._ingest(final=True)
         return self._outcome(rc)
 
@@ -134,15 +136,19 @@ class NodeSupervisor:
         return None
 
     def _stop(self, proc: subprocess.Popen[bytes]) -> int:
+        """SIGTERM to the agent and to every rank (each in its own session), SIGKILL after the grace."""
         log.info("job %s node %s: stopping (%s)", self.key.job_id, self.key.node_rank, self.stop_reason)
+        run_dir = str(self.plan.paths.run_dir) + "/"
         _kill_group(proc.pid, signal.SIGTERM)
+        signal_all(pids_under(run_dir), signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
+            if proc.poll() is not None and not pids_under(run_dir):
                 break
             self._ingest(final=False)
             time.sleep(POLL_S)
         _kill_group(proc.pid, signal.SIGKILL)
+        kill_under(run_dir)
         return proc.wait()
 
     def _ingest(self, final: bool) -> None:
