@@ -52,6 +52,8 @@ def test_builtin_job_runs_to_success(stack: Stack, mode: str, gpus: int, tmp_pat
     assert {1, 2} <= epochs_reported  # at least one progress event per epoch
     checkpoints = [e["data"] for e in events if e["type"] == "checkpoint"]
     assert [c["epoch"] for c in checkpoints] == [1, 2]
+    assert checkpoints[-1]["step"] == done["progress"]["step"]  # told by the trainer, not guessed
+    assert checkpoints[-1]["metrics"]["val_accuracy"] is not None
 
     latest = done["latest_checkpoint"]
     with stack.client() as c:

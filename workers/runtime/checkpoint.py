@@ -1,0 +1,217 @@
+"""The checkpoint file (contract §5): reading every accepted layout safely, writing atomically.
+
+Reading never unpickles arbitrary objects: `torch.load(weights_only=True)` only, and a file
+that needs more is refused before anything in it can run. `load_checkpoint` is a pure function
+of the file so that the platform can validate uploads with it in a throwaway subprocess:
+
+    python -m workers.runtime.checkpoint PATH   # prints a JSON summary, or exits 2 with the reason
+
+Accepted layouts (a `module.` prefix on weight names, from DataParallel or DDP, is dropped):
+
+    {"state_dict": {"net": weights}, "optimizer": opt, "epoch", "step", "meta"}   torchjobs
+    {"state_dict": {"net": weights}, "optimizer": opt}                            seed, single GPU
+    {"state_dict": {"net": weights}, "optimizer": {"net": opt}}                   seed, DDP
+    {"state_dict": weights, ...}                                                  flat state_dict
+    weights                                                                       a bare state dict
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.runtime.errors import CheckpointError
+
+MODULE_PREFIX = "module."
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, int, int, dict[str, Any]]:
+    """(net_state, optimizer_state or None, completed epochs, global step, meta) of a checkpoint.
+
+    Epoch and step are 0 for layouts that do not record them (seed files, bare state dicts).
+    Raises CheckpointError, naming the file and the reason, for anything else.
+    """
+    return normalize_checkpoint(_read(Path(path)), source=str(path))
+
+
+def _read(path: Path) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower():
+            raise CheckpointError(
+                f"checkpoint {path} refused: it needs more than torch.load(weights_only=True) allows "
+                f"(arbitrary Python objects), so it was not loaded and nothing in it ran "
+                f"({_unpickler_reason(exc)})"
+            ) from None
+        raise CheckpointError(f"checkpoint {path} is not a torch checkpoint ({exc})") from None
+    except Exception as exc:  # corrupt zip, truncated file, wrong format: all mean "unreadable"
+        raise CheckpointError(f"checkpoint {path} is unreadable: {type(exc).__name__}: {exc}") from None
+
+
+def _unpickler_reason(exc: Exception) -> str:
+    """The specific reason from torch's message, without its advice to retry with
+    weights_only=False (which is exactly what must not happen here)."""
+    paragraphs = [p.strip() for p in str(exc).split("\n\n") if p.strip()]
+    boilerplate = ("Weights only load failed", "Check the documentation")
+    specific = [p for p in paragraphs if not p.startswith(boilerplate)]
+    return " ".join(specific) or "an object outside the allowed types"
+
+
+def normalize_checkpoint(
+    raw: Any, *, source: str = "checkpoint"
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, int, int, dict[str, Any]]:
+    """The same as `load_checkpoint`, for an object already loaded."""
+    if not isinstance(raw, Mapping):
+        raise CheckpointError(f"{source}: expected a dict at the top level, found {type(raw).__name__}")
+    if "state_dict" not in raw:
+        return _weights(raw, source), None, 0, 0, {}
+    state = raw["state_dict"]
+    net = state["net"] if isinstance(state, Mapping) and isinstance(state.get("net"), Mapping) else state
+    meta = raw.get("meta") or {}
+    if not isinstance(meta, Mapping):
+        raise CheckpointError(f"{source}: 'meta' must be a dict, found {type(meta).__name__}")
+    return (
+        _weights(net, source),
+        _optimizer(raw.get("optimizer"), source),
+        _count(raw.get("epoch", 0), "epoch", source),
+        _count(raw.get("step", 0), "step", source),
+        dict(meta),
+    )
+
+
+def strip_module_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Weight names as the unwrapped model has them (every leading 'module.' removed)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        name = key
+        while name.startswith(MODULE_PREFIX):
+            name = name[len(MODULE_PREFIX) :]
+        if name in out:
+            raise CheckpointError(f"weight {name!r} appears both with and without a 'module.' prefix")
+        out[name] = value
+    return out
+
+
+def _weights(state: Any, source: str) -> dict[str, torch.Tensor]:
+    if not isinstance(state, Mapping) or not state:
+        raise CheckpointError(
+            f"{source}: no weights found; expected {{'state_dict': {{'net': ...}}}} or a bare state dict"
+        )
+    bad = [str(k) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(
+            f"{source}: not a state dict of named tensors (offending keys: {bad[:5]}); expected "
+            "{'state_dict': {'net': ...}, 'optimizer': ...} or a bare state dict"
+        )
+    return strip_module_prefix(state)
+
+
+def _optimizer(opt: Any, source: str) -> dict[str, Any] | None:
+    if opt is None:
+        return None
+    if isinstance(opt, Mapping) and "state" not in opt and isinstance(opt.get("net"), Mapping):
+        opt = opt["net"]  # the seed's DDP layout
+    if not isinstance(opt, Mapping) or not {"state", "param_groups"} <= set(opt):
+        raise CheckpointError(f"{source}: 'optimizer' is not an optimizer state_dict")
+    return dict(opt)
+
+
+def _count(value: Any, name: str, source: str) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{source}: {name!r} must be a non-negative integer, found {value!r}")
+    return value
+
+
+def build_checkpoint(
+    *,
+    net_state: Mapping[str, torch.Tensor],
+    optimizer_state: Mapping[str, Any],
+    epoch: int,
+    step: int,
+    meta: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The torchjobs layout, every tensor on the CPU: a checkpoint written on GPUs must still load
+    with a bare `torch.load(path, weights_only=True)` on a machine without one."""
+    return {
+        "state_dict": {"net": to_cpu(strip_module_prefix(net_state))},
+        "optimizer": to_cpu(dict(optimizer_state)),
+        "epoch": int(epoch),
+        "step": int(step),
+        "meta": to_cpu(dict(meta)),
+    }
+
+
+def to_cpu(obj: Any) -> Any:
+    """The same nesting of dicts, lists and tuples with CPU tensors (no copy of CPU tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def write_atomic(obj: Any, path: Path) -> None:
+    """torch.save to `<name>.tmp`, fsync, rename into place: the platform, which takes every
+    complete file in the folder, never sees a half-written checkpoint under its final name."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def checkpoint_name(epoch: int, step: int, *, mid_epoch: bool) -> str:
+    """`epoch-0003.pt` at an epoch boundary; a preemption inside an epoch adds the step."""
+    return f"epoch-{epoch:04d}-step-{step:08d}.pt" if mid_epoch else f"epoch-{epoch:04d}.pt"
+
+
+def _summary(path: str) -> dict[str, Any]:
+    net, opt, epoch, step, meta = load_checkpoint(path)
+    return {
+        "epoch": epoch,
+        "step": step,
+        "tensors": len(net),
+        "parameters": int(sum(t.numel() for t in net.values())),
+        "has_optimizer": opt is not None,
+        "meta": {k: v for k, v in meta.items() if k != "rng"},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m workers.runtime.checkpoint PATH", file=sys.stderr)
+        return 2
+    try:
+        summary = _summary(args[0])
+    except CheckpointError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(json.dumps(summary, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Process-group lifecycle and the few collectives the trainer needs.
+
+Helpers work whether or not a process group exists (single and dp run without one), the way
+torchvision's reference `utils.py` does, so the trainer has one code path for every mode.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from workers.runtime.plan import RunPlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistContext:
+    """This rank's place, plus a CPU (gloo) group for small host-side collectives.
+
+    With NCCL a host-side flag would have to travel through the GPU and synchronise the
+    stream; a gloo group keeps the per-step stop agreement off the device entirely.
+    """
+
+    rank: int
+    world_size: int
+    device: torch.device
+    cpu_group: Any = None  # None means the default group (already gloo on CPU)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(plan: RunPlan) -> DistContext:
+    """Join the process group when the plan needs one; set the CUDA device first."""
+    device = torch.device(plan.device)
+    if plan.is_cuda:
+        torch.cuda.set_device(device)
+    if plan.backend is None:
+        return DistContext(rank=0, world_size=1, device=device)
+    dist.init_process_group(
+        backend=plan.backend,
+        init_method="env://",
+        rank=plan.rank,
+        world_size=plan.world_size,
+        device_id=device if plan.backend == "nccl" else None,
+    )
+    cpu_group = dist.new_group(backend="gloo") if plan.backend == "nccl" else None
+    return DistContext(rank=plan.rank, world_size=plan.world_size, device=device, cpu_group=cpu_group)
+
+
+def teardown_distributed() -> None:
+    """Leave the process group, on every exit path (success, error, preemption)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.barrier(group=ctx.cpu_group)
+
+
+def all_reduce_sum(ctx: DistContext, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks in place (a no-op alone), returning the tensor for chaining."""
+    if ctx.distributed:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def gather_to_main(ctx: DistContext, obj: Any) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on rank 0; None elsewhere."""
+    if not ctx.distributed:
+        return [obj]
+    out: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0, group=ctx.cpu_group)
+    return out
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, numpy and torch (CPU and every CUDA device) alike."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class StopAgreement:
+    """Decides, identically on every rank, after which step to stop for a SIGTERM.
+
+    Ranks receive the signal at slightly different steps; if each stopped on its own, one would
+    wait forever in the next step's all-reduce. So each rank posts its flag after every step as an
+    asynchronous all-reduce (MAX) and reads the previous step's result: every rank sees the same
+    value at the same step, and the exchange overlaps the next step's compute instead of
+    stalling it. A rank therefore stops at most one step after the step it was in.
+    """
+
+    def __init__(self, ctx: DistContext) -> None:
+        self._ctx = ctx
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def after_step(self, local_stop: bool) -> bool:
+        """True when every rank must stop now."""
+        if not self._ctx.distributed:
+            return local_stop
+        agreed = self._collect()
+        if not agreed:
+            self._post(local_stop)
+        return agreed
+
+    def settle(self, local_stop: bool) -> bool:
+        """A blocking round, for points where every rank waits anyway (an epoch's end)."""
+        if not self._ctx.distributed:
+            return local_stop
+        if self._collect():
+            return True
+        self._post(local_stop)
+        return self._collect()
+
+    def _post(self, flag: bool) -> None:
+        tensor = torch.tensor([int(flag)], dtype=torch.int32)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._ctx.cpu_group, async_op=True)
+        self._pending = (work, tensor)
+
+    def _collect(self) -> bool:
+        if self._pending is None:
+            return False
+        work, tensor = self._pending
+        self._pending = None
+        work.wait()
+        return bool(tensor.item())

@@ -1,0 +1,96 @@
+"""The rank's environment, read once into a frozen dataclass.
+
+Everything the platform and torchrun tell a rank arrives as environment variables (contract §4).
+Reading them in one place, once, keeps the rest of the runtime pure: functions take a
+`RuntimeEnv`, and tests build one directly instead of patching `os.environ`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers.runtime.errors import ConfigError
+
+ACCELERATORS = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeEnv:
+    """torchrun's rank variables plus the TORCHJOBS_* ones; defaults describe a lone process."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    job_id: str | None = None
+    attempt: int | None = None
+    checkpoint_dir: Path | None = None
+    resume_from: Path | None = None
+    events_path: Path | None = None
+    accelerator: str | None = None
+    # torchrun (its elastic agent) started this process: TORCHELASTIC_RUN_ID is set.
+    under_torchrun: bool = False
+    # Test-only: when set, each rank dumps the sample indices it trained on and its BatchNorm
+    # buffers after every epoch (see workers.runtime.debug).
+    debug_dump_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"RANK={self.rank} is outside WORLD_SIZE={self.world_size}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ConfigError(
+                f"LOCAL_RANK={self.local_rank} is outside LOCAL_WORLD_SIZE={self.local_world_size}"
+            )
+        if self.accelerator is not None and self.accelerator not in ACCELERATORS:
+            raise ConfigError(f"TORCHJOBS_ACCELERATOR must be cpu or cuda, not {self.accelerator!r}")
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> RuntimeEnv:
+        """Build from a mapping shaped like `os.environ`; empty values count as unset."""
+
+        def text(name: str) -> str | None:
+            value = environ.get(name, "").strip()
+            return value or None
+
+        def integer(name: str) -> int | None:
+            value = text(name)
+            if value is None:
+                return None
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"{name} must be an integer, not {value!r}") from None
+
+        def path(name: str) -> Path | None:
+            value = text(name)
+            return Path(value) if value else None
+
+        world_size = integer("WORLD_SIZE") or 1
+        return cls(
+            rank=integer("RANK") or 0,
+            local_rank=integer("LOCAL_RANK") or 0,
+            world_size=world_size,
+            local_world_size=integer("LOCAL_WORLD_SIZE") or world_size,
+            master_addr=text("MASTER_ADDR"),
+            master_port=integer("MASTER_PORT"),
+            job_id=text("TORCHJOBS_JOB_ID"),
+            attempt=integer("TORCHJOBS_ATTEMPT"),
+            checkpoint_dir=path("TORCHJOBS_CHECKPOINT_DIR"),
+            resume_from=path("TORCHJOBS_RESUME_FROM"),
+            events_path=path("TORCHJOBS_EVENTS"),
+            accelerator=text("TORCHJOBS_ACCELERATOR"),
+            debug_dump_dir=path("TORCHJOBS_DEBUG_DUMP_DIR"),
+            under_torchrun=text("TORCHELASTIC_RUN_ID") is not None,
+        )
+
+
+@functools.cache
+def runtime_env() -> RuntimeEnv:
+    """The process's environment, read on first use and never again."""
+    return RuntimeEnv.from_environ(os.environ)

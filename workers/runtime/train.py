@@ -1,0 +1,74 @@
+"""`python -m workers.runtime.train --config config.json`: what torchrun runs for builtin and
+factory jobs (one process per rank).
+
+A rank stops cleanly on SIGTERM (see preemption.py), and also when torchrun itself dies.
+Following torchrun's advice, the checkpoint is loaded first (ranks are not stable across
+restarts, so all state comes from the checkpoint), then the process group is joined, then
+training runs. `@record` writes a failing rank's traceback to torchrun's error file, which the
+platform reads to name the root cause; the process group is destroyed on every exit path.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from workers.runtime.checkpoint import load_checkpoint
+from workers.runtime.config import TrainConfig, load_config
+from workers.runtime.distributed import DistContext, barrier, init_distributed, teardown_distributed
+from workers.runtime.env import RuntimeEnv, runtime_env
+from workers.runtime.errors import PREEMPTED_EXIT_CODE, Preempted
+from workers.runtime.plan import RunPlan, make_plan
+from workers.runtime.preemption import ParentWatchdog, PreemptionFlag
+from workers.runtime.trainer import Resume, Trainer, log
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m workers.runtime.train")
+    parser.add_argument("--config", type=Path, required=True, help="the job's config.json")
+    return parser.parse_args(argv)
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    """0 when training completed, PREEMPTED_EXIT_CODE after a SIGTERM; raises on errors."""
+    args = _parse_args(argv)
+    flag = PreemptionFlag().install()
+    env = runtime_env()
+    if env.under_torchrun:
+        ParentWatchdog(flag).start()
+    config = load_config(args.config)
+    plan = make_plan(config, env, cuda_device_count=torch.cuda.device_count())
+    resume = load_checkpoint(env.resume_from) if env.resume_from is not None else None
+    try:
+        ctx = init_distributed(plan)
+        code = _train(config=config, plan=plan, env=env, ctx=ctx, flag=flag, resume=resume)
+        barrier(ctx)  # leave the group together, not while a peer is still mid-exchange
+        return code
+    finally:
+        teardown_distributed()
+
+
+def _train(
+    *,
+    config: TrainConfig,
+    plan: RunPlan,
+    env: RuntimeEnv,
+    ctx: DistContext,
+    flag: PreemptionFlag,
+    resume: Resume | None,
+) -> int:
+    """Run the trainer; it (and the DDP wrapper holding the process group) is gone on return, so
+    the group is really torn down before the interpreter exits (gloo aborts otherwise)."""
+    try:
+        return Trainer(config=config, plan=plan, env=env, ctx=ctx, flag=flag, resume=resume).run()
+    except Preempted:
+        log(ctx.rank, f"preempted: exiting with {PREEMPTED_EXIT_CODE}")
+        return PREEMPTED_EXIT_CODE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,351 @@
+"""The builtin trainer: one loop for single, dp and ddp, resumable to the batch.
+
+Where training stands is a `Position` (completed epochs, batches into the current epoch, global
+step). Because the data order of epoch e is a function of (seed, e) alone (see data.py) and the
+RNG states travel in the checkpoint, resuming at a Position replays exactly what the
+uninterrupted run would have done next.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from workers.runtime import debug
+from workers.runtime.checkpoint import build_checkpoint, checkpoint_name, write_atomic
+from workers.runtime.config import TrainConfig
+from workers.runtime.data import EpochBatchSampler, LoaderOptions, train_loader, val_loader
+from workers.runtime.distributed import (
+    DistContext,
+    StopAgreement,
+    all_reduce_sum,
+    barrier,
+    gather_to_main,
+    seed_everything,
+)
+from workers.runtime.env import RuntimeEnv
+from workers.runtime.errors import CheckpointError, ConfigError, Preempted
+from workers.runtime.events import report
+from workers.runtime.factory import load_datasets, load_model
+from workers.runtime.parallel import PlacedModel, load_optimizer_state, make_optimizer, place_model
+from workers.runtime.plan import RunPlan
+from workers.runtime.preemption import PreemptionFlag
+from workers.runtime.rng import capture_rng, restore_rng
+from workers.runtime.version import torchjobs_version
+
+Resume = tuple[dict[str, torch.Tensor], dict[str, Any] | None, int, int, dict[str, Any]]
+
+
+def log(rank: int, message: str) -> None:
+    print(f"[torchjobs rank {rank}] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(kw_only=True)
+class Position:
+    epoch: int  # completed epochs
+    batch: int  # batches completed inside epoch `epoch` (0 at a boundary)
+    step: int  # completed optimizer steps, all epochs
+
+    def advance(self, batches_per_epoch: int) -> None:
+        self.step += 1
+        self.batch += 1
+        if self.batch == batches_per_epoch:
+            self.epoch, self.batch = self.epoch + 1, 0
+
+
+class _Meter:
+    """Loss summed on the device (no per-step host sync) and training time, over two windows:
+    since the last report, and since the epoch began (validation and saving are not timed)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self.start_epoch()
+
+    def start_epoch(self) -> None:
+        self.epoch = self._fresh()
+        self.reset_window()
+
+    def reset_window(self) -> None:
+        self.window = self._fresh()
+
+    def _fresh(self) -> dict[str, Any]:
+        return {"loss": torch.zeros((), device=self._device), "steps": 0, "t0": time.perf_counter()}
+
+    def add(self, loss: torch.Tensor) -> None:
+        for acc in (self.epoch, self.window):
+            acc["loss"] += loss
+            acc["steps"] += 1
+
+
+class Trainer:
+    """Builds everything for one rank, then trains; `run` returns 0 or raises Preempted."""
+
+    def __init__(
+        self,
+        *,
+        config: TrainConfig,
+        plan: RunPlan,
+        env: RuntimeEnv,
+        ctx: DistContext,
+        flag: PreemptionFlag,
+        resume: Resume | None,
+    ) -> None:
+        self.config = config
+        self.hp = config.hyperparameters
+        self.plan = plan
+        self.env = env
+        self.ctx = ctx
+        self.flag = flag
+        seed_everything(self.hp.seed + ctx.rank)
+        self.model = self._build_model(resume)
+        self.optimizer = make_optimizer(self.model.bare, self.hp)
+        self.sampler, self.train_loader, self.val_loader = self._build_data()
+        self.per_epoch = self.sampler.batches_per_epoch
+        self.total_steps = self.per_epoch * self.hp.epochs
+        self.pos = Position(epoch=0, batch=0, step=0)
+        if resume is not None:
+            self._resume(resume)
+        self.saved_step = self.pos.step  # nothing new to save until a step is taken
+        self.stop = StopAgreement(ctx)
+        self.meter = _Meter(ctx.device)
+
+    # ---------------------------------------------------------------- setup
+
+    def _build_model(self, resume: Resume | None) -> PlacedModel:
+        model = load_model(self.config.entrypoint)
+        if resume is not None:
+            try:
+                model.load_state_dict(resume[0])
+            except RuntimeError as exc:
+                raise CheckpointError(f"checkpoint weights do not fit the model: {exc}") from exc
+        return place_model(model, self.plan)
+
+    def _build_data(self) -> tuple[EpochBatchSampler, DataLoader, DataLoader | None]:
+        train_set, val_set = load_datasets(self.config.entrypoint, self.hp)
+        sampler = EpochBatchSampler(
+            train_set,
+            batch_size=self.hp.batch_size,
+            num_replicas=self.ctx.world_size,
+            rank=self.ctx.rank,
+            seed=self.hp.seed,
+            record=self.env.debug_dump_dir is not None,
+        )
+        if sampler.batches_per_epoch == 0:
+            raise ConfigError(
+                f"the training set ({len(train_set)} samples) has no full batch of {self.hp.batch_size} "
+                f"per process over {self.ctx.world_size} processes"
+            )
+        opts = LoaderOptions(num_workers=self.hp.num_workers, pin_memory=self.plan.is_cuda, seed=self.hp.seed)
+        val = None
+        if val_set is not None:
+            val = val_loader(
+                val_set,
+                batch_size=self.hp.batch_size,
+                rank=self.ctx.rank,
+                world_size=self.ctx.world_size,
+                opts=opts,
+            )
+        return sampler, train_loader(train_set, sampler, opts), val
+
+    def _resume(self, resume: Resume) -> None:
+        """Optimizer state, position and RNG from the checkpoint (its weights are already loaded)."""
+        _net, opt_state, epoch, _step, meta = resume
+        if opt_state is not None:
+            self._warn(load_optimizer_state(self.optimizer, opt_state, self.hp))
+        batch = meta.get("batch_in_epoch", 0)
+        if not isinstance(batch, int) or not 0 <= batch < self.per_epoch or not self._same_geometry(meta):
+            if batch:
+                self._warn(
+                    f"the checkpoint stopped inside epoch {epoch + 1} with another batch layout; "
+                    "that epoch restarts from its beginning"
+                )
+            batch = 0
+        self.pos = Position(epoch=epoch, batch=batch, step=epoch * self.per_epoch + batch)
+        self._restore_rng(meta)
+        log(self.ctx.rank, f"resuming at epoch {epoch} (+{batch} batches), step {self.pos.step}")
+
+    def _same_geometry(self, meta: dict[str, Any]) -> bool:
+        saved = meta.get("hyperparameters")
+        return (
+            meta.get("world_size") == self.ctx.world_size
+            and isinstance(saved, dict)
+            and saved.get("batch_size") == self.hp.batch_size
+        )
+
+    def _restore_rng(self, meta: dict[str, Any]) -> None:
+        ranks = meta.get("rng", {}).get("ranks") if isinstance(meta.get("rng"), dict) else None
+        if not isinstance(ranks, list) or len(ranks) != self.ctx.world_size:
+            self._warn("the checkpoint holds no RNG state for this world size; random streams start afresh")
+            return
+        try:
+            restore_rng(ranks[self.ctx.rank])
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as exc:
+            self._warn(f"could not restore the RNG state ({exc!r}); random streams start afresh")
+
+    def _warn(self, message: str | None) -> None:
+        if message and self.ctx.is_main:
+            log(self.ctx.rank, f"warning: {message}")
+
+    # ---------------------------------------------------------------- training
+
+    def run(self) -> int:
+        """Train the remaining epochs; 0 when done."""
+        if self.pos.epoch >= self.hp.epochs:
+            done = f"{self.pos.epoch} of {self.hp.epochs}"
+            log(self.ctx.rank, f"nothing to train: the checkpoint has already completed {done} epochs")
+            return 0
+        while self.pos.epoch < self.hp.epochs:
+            epoch = self.pos.epoch
+            summary = self._train_epoch(epoch)
+            if self.env.debug_dump_dir is not None:
+                debug.dump_epoch(
+                    self.env.debug_dump_dir,
+                    rank=self.ctx.rank,
+                    epoch=epoch,
+                    batches=self.sampler.handed_out,
+                    model=self.model.bare,
+                )
+            if self.stop.settle(self.flag.requested):
+                self._preempt()
+            self._end_epoch(summary)
+        return 0
+
+    def _train_epoch(self, epoch: int) -> dict[str, Any]:
+        """Train to the end of the epoch; its progress summary, timed before validation."""
+        self.sampler.set_epoch(epoch, skip_batches=self.pos.batch)
+        self.model.train.train()
+        self.meter.start_epoch()
+        for batch in self.train_loader:
+            self._step(batch)
+            self.pos.advance(self.per_epoch)
+            if self.stop.after_step(self.flag.requested):
+                self._preempt()
+            if self.pos.step % self.hp.report_every == 0 and self.pos.batch != 0:
+                self._publish(self._summarise(self.meter.window))
+        return self._summarise(self.meter.epoch)
+
+    def _step(self, batch: Any) -> None:
+        if not isinstance(batch, list | tuple) or len(batch) != 2:
+            raise ConfigError("every training sample must be an (input, target) pair")
+        non_blocking = self.plan.is_cuda
+        x = batch[0].to(self.ctx.device, non_blocking=non_blocking)
+        y = batch[1].to(self.ctx.device, non_blocking=non_blocking)
+        loss = F.cross_entropy(self.model.train(x), y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.meter.add(loss.detach())
+
+    def _end_epoch(self, summary: dict[str, Any]) -> None:
+        val_loss, val_accuracy = self._validate()
+        self._publish({**summary, "val_loss": val_loss, "val_accuracy": val_accuracy})
+        self.last_metrics = {"val_loss": val_loss, "val_accuracy": val_accuracy, "loss": summary.get("loss")}
+        if self.pos.epoch % self.hp.checkpoint_every == 0 or self.pos.epoch == self.hp.epochs:
+            self._save()
+
+    def _preempt(self) -> None:
+        log(self.ctx.rank, f"SIGTERM: stopped after step {self.pos.step}; saving and exiting")
+        self._save()
+        raise Preempted
+
+    @torch.no_grad()
+    def _validate(self) -> tuple[float | None, float | None]:
+        """Loss and accuracy over the whole validation set: each rank a shard, counts summed."""
+        if self.val_loader is None:
+            return None, None
+        self.model.eval.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
+        for x, y in self.val_loader:
+            x, y = x.to(self.ctx.device), y.to(self.ctx.device)
+            out = self.model.eval(x)
+            totals[0] += F.cross_entropy(out, y, reduction="sum").double()
+            totals[1] += (out.argmax(dim=1) == y).sum()
+            totals[2] += y.numel()
+        loss_sum, correct, count = all_reduce_sum(self.ctx, totals).tolist()
+        return (loss_sum / count, correct / count) if count else (None, None)
+
+    # ---------------------------------------------------------------- reporting and saving
+
+    def _summarise(self, window: dict[str, Any]) -> dict[str, Any]:
+        """Progress fields for a window of steps; resets the in-epoch window.
+
+        Every rank calls it at the same step: the loss is reduced over all ranks (the `.item()`
+        also waits for the device, so the time is right on CUDA too), and the throughput is
+        global, each rank having processed `batch_size` samples per step.
+        """
+        steps = window["steps"]
+        loss_sum = all_reduce_sum(self.ctx, window["loss"].clone()).item()
+        seconds = max(time.perf_counter() - window["t0"], 1e-9)
+        self.meter.reset_window()
+        return {
+            "epoch": self.pos.epoch,
+            "epochs": self.hp.epochs,
+            "step": self.pos.step,
+            "total_steps": self.total_steps,
+            "loss": loss_sum / (steps * self.ctx.world_size) if steps else None,
+            "samples_per_sec": steps * self.hp.batch_size * self.ctx.world_size / seconds,
+        }
+
+    def _publish(self, fields: dict[str, Any]) -> None:
+        """Rank 0 alone reports; epoch ends also go to the log."""
+        if not self.ctx.is_main:
+            return
+        report(**fields)
+        if "val_loss" in fields:
+            log(self.ctx.rank, " ".join(f"{k}={_fmt(v)}" for k, v in fields.items()))
+
+    def _save(self) -> None:
+        """Rank 0 alone writes (one writer per job, not per node); all ranks wait for it."""
+        if self.env.checkpoint_dir is None or self.pos.step == self.saved_step:
+            return
+        rng = gather_to_main(self.ctx, capture_rng(cuda=self.plan.is_cuda))
+        if self.ctx.is_main:
+            path = self.env.checkpoint_dir / checkpoint_name(
+                self.pos.epoch,
+                self.pos.step,
+                mid_epoch=self.pos.batch != 0,
+            )
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Told before the rename, so the platform knows epoch, step and metrics of the
+            # file the moment it appears under its final name.
+            report(
+                type="checkpoint",
+                file=path.name,
+                epoch=self.pos.epoch,
+                step=self.pos.step,
+                metrics=getattr(self, "last_metrics", {}),
+            )
+            write_atomic(self._checkpoint(rng), path)
+            log(self.ctx.rank, f"checkpoint {path}")
+        barrier(self.ctx)
+        self.saved_step = self.pos.step
+
+    def _checkpoint(self, rng: list[Any] | None) -> dict[str, Any]:
+        meta = {
+            "mode": self.plan.mode,
+            "world_size": self.ctx.world_size,
+            "accelerator": self.plan.accelerator,
+            "hyperparameters": self.hp.as_dict(),
+            "entrypoint": self.config.entrypoint.as_dict(),
+            "torchjobs_version": torchjobs_version(),
+            "job_id": self.env.job_id,
+            "batch_in_epoch": self.pos.batch,
+            "rng": {"ranks": rng},
+        }
+        return build_checkpoint(
+            net_state=self.model.bare.state_dict(),
+            optimizer_state=self.optimizer.state_dict(),
+            epoch=self.pos.epoch,
+            step=self.pos.step,
+            meta=meta,
+        )
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
