@@ -32,11 +32,18 @@ class JsonFormatter(logging.Formatter):
 
 def configure_logging(settings: Settings) -> None:
     handler = logging.StreamHandler(sys.stderr)
+    ours = logging.getLogger("torchjobs")
+    ours.setLevel(logging.INFO)
     if settings.log_json:
+        # Every line of the process is JSON: ours, uvicorn's and Celery's all go to the root.
         handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("torchjobs")
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-    root.propagate = False
+        root = logging.getLogger()
+        root.handlers[:] = [handler]
+        root.setLevel(logging.WARNING)
+        ours.handlers[:] = []
+        ours.propagate = True
+        logging.captureWarnings(True)  # Python warnings become JSON lines too
+        return
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours.handlers[:] = [handler]
+    ours.propagate = False

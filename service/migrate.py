@@ -25,3 +25,19 @@ def upgrade(settings: Settings, revision: str = "head") -> None:
 
 def downgrade(settings: Settings, revision: str = "base") -> None:
     command.downgrade(alembic_config(settings), revision)
+
+
+def schema_is_current(settings: Settings) -> bool:
+    """True when the database is at the newest migration (servers and workers refuse otherwise)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    from service.db import make_engine
+
+    head = ScriptDirectory.from_config(alembic_config(settings)).get_current_head()
+    engine = make_engine(settings)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision() == head
+    finally:
+        engine.dispose()

@@ -109,6 +109,9 @@ def run_worker(
     app = make_celery(settings)
     register_tasks(app)
 
+    if settings.log_json:
+        _celery_logs_json()
+
     @signals.worker_shutting_down.connect
     def _on_shutdown(**_: object) -> None:
         ctx.shutdown.set()
@@ -117,6 +120,7 @@ def run_worker(
     try:
         app.worker_main(
             [
+                *(["--quiet"] if settings.log_json else []),  # no banner: every line stays JSON
                 "worker",
                 "-Q",
                 queue_for(name),
@@ -139,6 +143,15 @@ def run_worker(
         with db.transaction() as session:
             workers_repo.mark_offline(session, name, ctx.session_id)
         db.dispose()
+
+
+def _celery_logs_json() -> None:
+    """Celery leaves logging alone when someone handles `setup_logging`, and its few direct
+    writes to the terminal (shutdown notices) become log records: every line stays JSON."""
+    import celery.apps.worker as celery_worker
+
+    signals.setup_logging.connect(lambda **_: None, weak=False)
+    celery_worker.safe_say = lambda msg, f=None: logging.getLogger("celery.worker").warning(str(msg).strip())
 
 
 def _default_address() -> str:

@@ -14,7 +14,7 @@ import uvicorn
 
 from service.auth.tokens import read_or_create_admin_token
 from service.config import Settings
-from service.migrate import upgrade
+from service.migrate import schema_is_current, upgrade
 
 
 def _setup_logging(settings: Settings) -> None:
@@ -73,12 +73,27 @@ def _stop_child(proc: subprocess.Popen[bytes], wait_s: float) -> None:
         proc.wait()
 
 
+def require_current_schema(settings: Settings) -> None:
+    if not schema_is_current(settings):
+        typer.echo("the database is not at the latest migration: run `torchjobs db upgrade` first", err=True)
+        raise typer.Exit(2)
+
+
 def run_server(settings: Settings, host: str, port: int, scheduler: bool) -> None:
     from service.app import create_app
 
     _setup_logging(settings)
+    require_current_schema(settings)
     app = create_app(settings, scheduler=scheduler)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        log_config=None if settings.log_json else uvicorn.config.LOGGING_CONFIG,
+    )
 
 
 def run_worker_cmd(name: str, gpus: int | None, accelerator: str, address: str | None) -> None:
@@ -86,6 +101,7 @@ def run_worker_cmd(name: str, gpus: int | None, accelerator: str, address: str |
 
     settings = Settings()
     _setup_logging(settings)
+    require_current_schema(settings)
     run_worker(settings, name=name, gpus=gpus, accelerator=accelerator, address=address)
 
 
