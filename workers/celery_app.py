@@ -35,6 +35,7 @@ def make_celery(settings: Settings) -> Celery:
             "data_folder_in": str(folder / "queue"),
             "data_folder_out": str(folder / "queue"),
             "processed_folder": str(folder / "processed"),
+            "control_folder": str(folder / "control"),
             "store_processed": False,
         }
     app.conf.update(
@@ -50,6 +51,7 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
         broker_heartbeat=0,
+        worker_enable_remote_control=False,  # cancels go through the database, not pidbox
     )
     return app
 

@@ -36,7 +36,7 @@ def get_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]:
 
 
 def current_user(
-    session: Annotated[Session, Depends(get_session)],
+    session: Annotated[Session, Depends(get_session, scope="function")],
     creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
 ) -> User:
     if creds is None or not creds.credentials or len(creds.credentials) > 512:
@@ -54,14 +54,17 @@ def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
 
 
 def caller_job(
-    session: Annotated[Session, Depends(get_session)],
+    session: Annotated[Session, Depends(get_session, scope="function")],
     user: Annotated[User, Depends(current_user)],
     job_id: Annotated[int, Path(ge=1, le=MAX_ID)],
 ) -> Job:
     return jobs_service.get_job(session, user, job_id)
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": the transaction commits when the handler returns, BEFORE the response is
+# sent (FastAPI's default runs yield-dependency exits after it). A client that got its 201
+# can read the job at once, and a commit that fails is a 5xx, never a 201 for nothing.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 UserDep = Annotated[User, Depends(current_user)]
 AdminDep = Annotated[User, Depends(admin_user)]
 JobDep = Annotated[Job, Depends(caller_job)]

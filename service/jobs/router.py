@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
 
 from service.api.deps import JobDep, SessionDep, SettingsDep, UserDep
 from service.jobs import service
@@ -13,6 +13,13 @@ from service.schemas import MAX_ID
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
+def wake_scheduler(request: Request) -> None:
+    """A new job is placed now, not at the next timed pass."""
+    scheduler = getattr(request.app.state, "scheduler", None)
+    if scheduler is not None:
+        scheduler.wake()
+
+
 @router.post(
     "",
     status_code=201,
@@ -21,7 +28,9 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 )
 def submit_job(
     spec: JobSpec,
+    request: Request,
     response: Response,
+    background: BackgroundTasks,
     session: SessionDep,
     settings: SettingsDep,
     user: UserDep,
@@ -29,6 +38,8 @@ def submit_job(
 ) -> JobOut:
     job, created = service.submit_job(session, settings, user, spec, idempotency_key)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
+    if created:
+        background.add_task(wake_scheduler, request)  # runs after the commit and the response
     if not created:
         response.status_code = 200
     return service.job_views(session, [job])[0]

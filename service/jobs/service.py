@@ -164,6 +164,7 @@ def job_views(session: Session, jobs: Sequence[Job]) -> list[JobOut]:
     for att in repo.attempts_for(session, ids):
         attempts.setdefault(att.job_id, []).append(AttemptOut.model_validate(att))
     latest = repo.latest_checkpoints(session, ids)
+    positions = repo.queue_positions(session, jobs)
     return [
         JobOut(
             id=j.id,
@@ -186,7 +187,7 @@ def job_views(session: Session, jobs: Sequence[Job]) -> list[JobOut]:
             error=j.error,
             exit_code=j.exit_code,
             pending_reason=j.pending_reason if j.state == QUEUED else None,
-            queue_position=repo.queue_position(session, j) if j.state == QUEUED else None,
+            queue_position=positions.get(j.id),
             attempts=attempts.get(j.id, []),
             created_at=j.created_at,
             started_at=j.started_at,

@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
@@ -139,11 +140,17 @@ def _lose_node(session: Session, run: NodeRun, reason: str) -> None:
 
 
 def place(session: Session, settings: Settings) -> list[Dispatch]:
-    query = select(Job).where(Job.state == QUEUED).order_by(Job.priority.desc(), Job.id).limit(5000)
+    """Plan over the queue's few columns; load and lock whole rows only for the jobs placed."""
+    query = (
+        select(Job.id, Job.priority, Job.nodes, Job.gpus_per_node, Job.queued_at, Job.pending_reason)
+        .where(Job.state == QUEUED)
+        .order_by(Job.priority.desc(), Job.id)
+        .limit(5000)
+    )
     if session.get_bind().dialect.name == "postgresql":
-        query = query.with_for_update(skip_locked=True)
-    jobs = session.execute(query).scalars().all()
-    if not jobs:
+        query = query.with_for_update(skip_locked=True, of=Job)
+    rows = session.execute(query).all()
+    if not rows:
         return []
     workers = {w.name: w for w in session.execute(select(Worker).where(Worker.state == "online")).scalars()}
     used: dict[str, set[int]] = {}
@@ -156,25 +163,22 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
     now = utcnow()
     queued = [
         QueuedJob(
-            id=j.id,
-            priority=j.priority,
-            nodes=j.nodes,
-            gpus_per_node=j.gpus_per_node,
-            waited_s=(now - j.queued_at).total_seconds(),
+            id=r.id,
+            priority=r.priority,
+            nodes=r.nodes,
+            gpus_per_node=r.gpus_per_node,
+            waited_s=(now - r.queued_at).total_seconds(),
         )
-        for j in jobs
+        for r in rows
     ]
     decision = plan(queued, hosts, settings.starvation_s)
-    by_id = {j.id: j for j in jobs}
-    for job_id, reason in decision.pending_reasons.items():
-        if not workers:
-            reason = "no worker is online"
-        if by_id[job_id].pending_reason != reason:
-            by_id[job_id].pending_reason = reason
+    _write_pending_reasons(session, rows, decision.pending_reasons, bool(workers))
     sent: list[Dispatch] = []
     busy_ports = _ports_in_use(session)
     for job_id, nodes in decision.placements.items():
-        job = by_id[job_id]
+        job = lock_job(session, job_id)
+        if job is None or job.state != QUEUED:
+            continue
         job.master_port = _pick_port(settings, busy_ports.setdefault(nodes[0].host, set()))
         job.pending_reason = None
         open_attempt(session, job)
@@ -199,6 +203,18 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
         hosts_desc = ", ".join(f"{n.host}{list(n.gpus)}" for n in nodes)
         transition_job(session, job, SCHEDULED, f"placed on {hosts_desc}")
     return sent
+
+
+def _write_pending_reasons(session: Session, rows: Any, reasons: dict[int, str], any_worker: bool) -> None:
+    """Only the reasons that changed are written: a long, stuck queue costs no writes."""
+    current = {r.id: r.pending_reason for r in rows}
+    changed = []
+    for job_id, reason in reasons.items():
+        reason = reason if any_worker else "no worker is online"
+        if current.get(job_id) != reason:
+            changed.append({"id": job_id, "pending_reason": reason})
+    if changed:
+        session.execute(update(Job), changed)
 
 
 def _ports_in_use(session: Session) -> dict[str, set[int]]:

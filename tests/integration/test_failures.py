@@ -168,25 +168,21 @@ def test_same_message_twice_does_not_start_a_second_copy(stack: Stack) -> None:
     from service.config import Settings
     from workers.celery_app import make_celery, send_node
 
-    spec = {
-        "mode": "single",
-        "entrypoint": LONG,
-        "hyperparameters": {"epochs": 2, "synthetic_size": 8000, "num_workers": 0},
-    }
-    job = stack.submit(spec)
+    job = stack.submit(long_job(mode="single", gpus_per_node=1))
     wait_event(stack, job["id"], lambda e: e["type"] == "progress")
     celery = make_celery(Settings(broker_url=stack.env["TORCHJOBS_BROKER_URL"]))
-    send_node(celery, job_id=job["id"], attempt=1, node_rank=0, worker="w1")
-    time.sleep(3)
-    agents = [
-        p
-        for p in pids_of_job(job["id"], stack.home)
-        if b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes()
-    ]
+    for _ in range(2):  # the broker delivering the same node again, twice
+        send_node(celery, job_id=job["id"], attempt=1, node_rank=0, worker="w1")
+    wait_for(
+        lambda: stack.logs_of("worker-w1").count("nothing to do") >= 2 or None, 30, "both repeats handled"
+    )
+    agents = [p for p in pids_of_job(job["id"], stack.home) if b"torch.distributed.run" in cmdline(p)]
     assert len(agents) == 1
-    done = stack.wait_job(job["id"])
-    assert done["state"] == "succeeded" and done["attempt"] == 1
-    assert "nothing to do" in stack.logs_of("worker-w1")
+    with stack.client() as c:
+        running = c.get(f"/v1/jobs/{job['id']}").json()
+        assert running["state"] == "running" and running["attempt"] == 1
+        c.post(f"/v1/jobs/{job['id']}/cancel")
+    assert stack.wait_job(job["id"], timeout=60)["state"] == "cancelled"
 
 
 def restart_redis() -> None:

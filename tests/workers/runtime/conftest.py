@@ -89,10 +89,17 @@ class Run:
     def events_path(self) -> Path:
         return self.dir / "events.jsonl"
 
-    def events(self) -> list[dict[str, Any]]:
+    def all_events(self) -> list[dict[str, Any]]:
         if not self.events_path.exists():
             return []
         return [json.loads(line) for line in self.events_path.read_text().splitlines() if line.endswith("}")]
+
+    def events(self) -> list[dict[str, Any]]:
+        """The progress reports (the trainer also announces each checkpoint file)."""
+        return [e for e in self.all_events() if e.get("type") == "progress"]
+
+    def checkpoint_events(self) -> list[dict[str, Any]]:
+        return [e for e in self.all_events() if e.get("type") == "checkpoint"]
 
     def wait(self, timeout: float = 180) -> Run:
         try:

@@ -96,6 +96,10 @@ def test_only_global_rank_zero_writes_checkpoints(ddp: dict[str, Any]) -> None:
     events = run.events()
     assert [e["epoch"] for e in events if "val_accuracy" in e] == [1, 2, 3, 4]
     assert all(e["total_steps"] == 4 * STEPS_PER_EPOCH for e in events)
+    announced = run.checkpoint_events()  # written before each rename, by rank 0 only
+    assert [(e["file"], e["epoch"], e["step"]) for e in announced] == [
+        (f"epoch-{n:04d}.pt", n, n * STEPS_PER_EPOCH) for n in range(1, 5)
+    ]
 
 
 def test_a_ddp_checkpoint_resumes_in_single_mode(jobs: Any, ddp: dict[str, Any], tmp_path: Path) -> None:

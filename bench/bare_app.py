@@ -1,0 +1,56 @@
+"""The floor of the API benchmark: a bare FastAPI app served by uvicorn exactly as `torchjobs
+server` serves its app (service/cli/processes.py `run_server`).
+
+    python -m bench.bare_app PORT
+
+Routes are plain `def` functions like torchjobs' own, so both pay FastAPI's thread-pool hop:
+`GET /v1/things/{id}` returns a small JSON dict, `POST /v1/things` parses a small pydantic body.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+app = FastAPI()
+
+
+class Entrypoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: str
+    model: str
+    dataset: str
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = None
+    mode: str
+    gpus_per_node: int = Field(1, ge=1)
+    entrypoint: Entrypoint
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+
+
+@app.get("/v1/things/{thing_id}")
+def get_thing(thing_id: int) -> dict[str, Any]:
+    return {"id": thing_id, "name": "bench", "state": "queued", "mode": "single", "gpus_per_node": 1}
+
+
+@app.post("/v1/things", status_code=201)
+def post_thing(body: Body) -> dict[str, Any]:
+    return {"id": 1, "state": "queued", **body.model_dump()}
+
+
+if __name__ == "__main__":
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=int(sys.argv[1]),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )

@@ -1,0 +1,561 @@
+"""Every benchmark, one command: a table of ratios, each against its floor measured in the same run.
+
+    bench/setup.sh                                   # once: installs wrk (idempotent)
+    .venv/bin/python -m bench.run                    # all of them (~40 min); writes docs/benchmarks.md
+    .venv/bin/python -m bench.run --only launch api  # some; the other sections of the doc are kept
+    .venv/bin/python -m bench.run --smoke            # the short version CI runs (~2 min), writes
+                                                     # test-artifacts/bench/smoke/ only
+
+Each benchmark runs as its own process (a crash or a hang of one never takes the others down),
+in this order:
+
+| name | what | its floor |
+| --- | --- | --- |
+| trainer | bench/trainer_vs_seed.py: builtin trainer samples/s | a seed-style hand loop |
+| launch | bench/launch.py: POST -> first step, whole job, throughput | torchrun by hand |
+| api | bench/api.py: GET/POST req/s and latency with wrk; list on 100k jobs | bare FastAPI; first page |
+| scheduler | bench/scheduler.py: placement rate; freed GPU -> scheduled | plan() in memory |
+| events | bench/event_stream.py: SSE lag at 1/50/200 streams; ingestion writes | 1 stream; reports/s |
+| checkpoint | bench/checkpoint_download.py: 1 GiB download, RSS | fastest plain server |
+
+No timing target is ever asserted: the command fails only when a benchmark itself fails (a
+crash, a timeout, a stream that missed events). Targets are printed next to the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, fmt_range, machine, utc_now
+
+DOC = REPO / "docs" / "benchmarks.md"
+DOC_JSON = REPO / "docs" / "benchmarks.json"
+ARTIFACTS = REPO / "test-artifacts" / "bench"
+PY = sys.executable
+
+
+def given(
+    median: float | None, lo: float | None = None, hi: float | None = None, n: int = 1
+) -> dict[str, Any]:
+    return {"median": median, "min": lo, "max": hi, "n": n}
+
+
+def _num(text: str) -> float | None:
+    try:
+        value = float(text.replace(",", "").lstrip("+"))
+    except ValueError:
+        return None
+    return None if value != value else value  # NaN
+
+
+# ------------------------------------------------------------------------------------------ parsers
+# The three benchmarks written for their own issues print tables, not JSON. Their tables are
+# read here leniently: a figure that cannot be found is left out with a note, and the whole
+# output always goes into the document.
+
+
+def parse_trainer(out: str) -> dict[str, Any]:
+    runs = re.search(r"(\d+) runs each", out)
+    n = int(runs.group(1)) if runs else 1
+    batch = re.search(r"^cnn on synthetic.*$", out, re.MULTILINE)
+    figs = []
+    for m in re.finditer(
+        r"^(single|ddp x\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", out, re.MULTILINE
+    ):
+        figs.append(
+            {
+                "measure": f"trainer samples/s, {m.group(1)}",
+                "setup": "torchrun, cpu",
+                "unit": "samples/s",
+                "service": given(_num(m.group(2)), n=n),
+                "floor_name": "seed-style hand loop",
+                "floor": given(_num(m.group(3)), n=n),
+                "ratio": given(_num(m.group(4)), _num(m.group(5)), _num(m.group(6)), n),
+                "target": ">= 1.0",
+                "note": "",
+            }
+        )
+    return {
+        "title": "The builtin trainer against a hand-written loop in the seed's style",
+        "figures": figs,
+        "notes": [batch.group(0)] if batch else [],
+    }
+
+
+LAG_ROW = re.compile(
+    r"^(?P<setup>\S.*?)\s+(?P<streams>\d+)\s+(?P<events>\d+)\s+(?P<complete>\d+)/(?P<of>\d+)\s+"
+    r"(?P<p50>[\d.]+|nan)\s+(?P<p95>[\d.]+|nan)\s+(?P<max>[\d.]+|nan)\s*$",
+    re.MULTILINE,
+)
+
+
+def parse_events(out: str) -> dict[str, Any]:
+    figs = []
+    rows = [m.groupdict() for m in LAG_ROW.finditer(out)]
+    single = {r["setup"]: _num(r["p50"]) for r in rows if r["streams"] == "1"}
+    for r in rows:
+        n = int(r["streams"])
+        floor = single.get(r["setup"]) if n > 1 else None
+        p50 = _num(r["p50"])
+        figs.append(
+            {
+                "measure": f"event lag p50, {n} stream{'s' if n > 1 else ''}",
+                "setup": r["setup"],
+                "unit": "s",
+                "service": given(p50, n=int(r["events"])),
+                "floor_name": "the same with 1 stream" if floor else "",
+                "floor": given(floor) if floor else None,
+                "ratio": given(p50 / floor) if floor and p50 is not None else None,
+                "target": "",
+                "note": f"p95 {r['p95']} s, max {r['max']} s; "
+                f"{r['complete']}/{r['of']} streams got every event",
+            }
+        )
+    commits = re.search(r"^\s*commits\s+([\d.]+)\s+([\d.]+)", out, re.MULTILINE)
+    stored = re.search(r"reports stored:\s*(\d+) in ([\d.]+) s", out)
+    rows_written = re.search(r"^\s*all rows written\s+([\d.]+)", out, re.MULTILINE)
+    if commits:
+        rate = int(stored.group(1)) / float(stored.group(2)) if stored else 100.0
+        value = float(commits.group(1))
+        figs.append(
+            {
+                "measure": "ingestion: database commits/s per reports/s",
+                "setup": "PostgreSQL + Redis",
+                "unit": "/s",
+                "service": given(value),
+                "floor_name": "progress reports/s written by the rank",
+                "floor": given(rate),
+                "ratio": given(value / rate) if rate else None,
+                "target": "",
+                "note": (f"{rows_written.group(1)} rows written/s; " if rows_written else "")
+                + "ratio = commits per report (batched ingestion < 1)",
+            }
+        )
+    return {
+        "title": "Event streams: lag to SSE clients, and what ingestion costs the database",
+        "figures": figs,
+        "notes": ["lag figures are percentiles over every event of one job (n = events), not runs"],
+    }
+
+
+def parse_checkpoint(out: str) -> dict[str, Any]:
+    rounds_m = re.search(r"(\d+) round\(s\)", out)
+    rounds = int(rounds_m.group(1)) if rounds_m else 1
+    size = re.search(r"checkpoint (\d+) MiB", out)
+    servers = []
+    for m in re.finditer(
+        r"^\|\s*([^|]+?)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|\s*([\d.]+)\s*\|", out, re.MULTILINE
+    ):
+        servers.append((m.group(1), float(m.group(2)), float(m.group(3))))
+    api = next((s for s in servers if s[0].startswith("torchjobs")), None)
+    plain = [s for s in servers if not s[0].startswith("torchjobs")]
+    figs = []
+    label = f"{size.group(1)} MiB" if size else ""
+    if api and plain:
+        fastest = max(plain, key=lambda s: s[1])
+        figs.append(
+            {
+                "measure": f"checkpoint download {label}",
+                "setup": "SQLite, file storage",
+                "unit": "MB/s",
+                "service": given(api[1], None, api[2], rounds),
+                "floor_name": f"fastest plain: {fastest[0]}",
+                "floor": given(fastest[1], None, fastest[2], rounds),
+                "ratio": given(api[1] / fastest[1]),
+                "target": ">= 0.8",
+                "note": "max = best round",
+            }
+        )
+    for what, pattern in (("download", r"during the downloads"), ("upload", r"during the upload[^|]*")):
+        m = re.search(rf"^\|\s*{pattern}\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*([+-]?\d+)\s*\|", out, re.MULTILINE)
+        if m:
+            figs.append(
+                {
+                    "measure": f"API server RSS growth during the {label} {what}",
+                    "setup": "SQLite, file storage",
+                    "unit": "MB",
+                    "service": given(float(m.group(3))),
+                    "floor_name": "",
+                    "floor": None,
+                    "ratio": None,
+                    "target": "< 100",
+                    "note": f"{m.group(1)} MB before, {m.group(2)} MB peak",
+                }
+            )
+    return {
+        "title": "Checkpoint download against plain ways to serve the same file; server memory",
+        "figures": figs,
+        "notes": [],
+    }
+
+
+# ------------------------------------------------------------------------------------------ registry
+
+
+@dataclass
+class Bench:
+    name: str
+    full: list[str]
+    smoke: list[str]
+    parse: Callable[[str], dict[str, Any]] | None = None  # None: the module writes --json
+    timeout_full: float = 3600
+    timeout_smoke: float = 300
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+BENCHMARKS = [
+    Bench(
+        "trainer",
+        [PY, "bench/trainer_vs_seed.py"],
+        [
+            PY,
+            "bench/trainer_vs_seed.py",
+            "--runs",
+            "1",
+            "--epochs",
+            "2",
+            "--modes",
+            "single",
+            "--synthetic-size",
+            "512",
+        ],
+        parse_trainer,
+    ),
+    Bench("launch", [PY, "-m", "bench.launch"], [PY, "-m", "bench.launch", "--smoke"]),
+    Bench("api", [PY, "-m", "bench.api"], [PY, "-m", "bench.api", "--smoke"]),
+    Bench("scheduler", [PY, "-m", "bench.scheduler"], [PY, "-m", "bench.scheduler", "--smoke"]),
+    Bench("events", [PY, "bench/event_stream.py"], [PY, "bench/event_stream.py", "--smoke"], parse_events),
+    Bench(
+        "checkpoint",
+        [PY, "bench/checkpoint_download.py"],
+        [PY, "bench/checkpoint_download.py", "--size", "16MiB", "--rounds", "1"],
+        parse_checkpoint,
+    ),
+]
+NAMES = [b.name for b in BENCHMARKS]
+
+
+def shown(argv: list[str]) -> str:
+    return shlex.join([".venv/bin/python" if a == PY else a for a in argv])
+
+
+def run_one(bench: Bench, smoke: bool, logs: Path) -> dict[str, Any]:
+    argv = list(bench.smoke if smoke else bench.full)
+    json_path = logs / f"{bench.name}.json"
+    if bench.parse is None:
+        json_path.unlink(missing_ok=True)
+        argv += ["--json", str(json_path)]
+    timeout = bench.timeout_smoke if smoke else bench.timeout_full
+    print(f"\n=== {bench.name}: {shown(argv)}", file=sys.stderr, flush=True)
+    started = time.monotonic()
+    out_path, err_path = logs / f"{bench.name}.out", logs / f"{bench.name}.err"
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.PIPE, start_new_session=True)
+
+        def tee() -> None:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                err.write(line)
+                err.flush()
+                sys.stderr.write(f"  [{bench.name}] {line.decode(errors='replace')}")
+                sys.stderr.flush()
+
+        pump = threading.Thread(target=tee, daemon=True)
+        pump.start()
+        try:
+            rc: int | str = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            import os
+            import signal
+
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            rc = "timeout"
+        pump.join(timeout=10)
+    seconds = time.monotonic() - started
+    stdout = out_path.read_text(errors="replace")
+    entry: dict[str, Any] = {
+        "name": bench.name,
+        "command": shown(bench.smoke if smoke else bench.full),
+        "seconds": seconds,
+        "date": utc_now(),
+        "status": "ok" if rc == 0 else ("timeout" if rc == "timeout" else f"failed (exit {rc})"),
+        "output": stdout[-6000:],
+    }
+    try:
+        if bench.parse is not None:
+            result = bench.parse(stdout)
+        elif json_path.exists():
+            result = json.loads(json_path.read_text())
+            result.pop("raw", None)
+        else:
+            result = {"title": bench.name, "figures": [], "notes": []}
+    except Exception as exc:  # noqa: BLE001 - a parse problem is reported, never fatal
+        result = {"title": bench.name, "figures": [], "notes": [f"could not read the figures: {exc!r}"]}
+    if entry["status"] == "ok" and not result["figures"]:
+        result["notes"].append("no figures found in the output (see the output below)")
+    if entry["status"] != "ok":
+        entry["error_tail"] = err_path.read_text(errors="replace")[-3000:]
+    entry.update(result)
+    print(f"=== {bench.name}: {entry['status']} in {seconds:.0f} s", file=sys.stderr, flush=True)
+    return entry
+
+
+# ------------------------------------------------------------------------------------------ output
+
+
+def target_met(fig: dict[str, Any], smoke: bool = False) -> str:
+    if smoke:
+        return "–"
+    m = re.match(r"\s*(<=|>=|<|>)\s*([\d.]+)", fig.get("target") or "")
+    basis = fig.get("ratio") or (fig["service"] if not fig.get("floor") else None)
+    if not m or not basis or basis.get("median") is None:
+        return ""
+    value, bound = basis["median"], float(m.group(2))
+    ok = {"<=": value <= bound, ">=": value >= bound, "<": value < bound, ">": value > bound}[m.group(1)]
+    return "yes" if ok else "**no**"
+
+
+def summary_rows(entries: list[dict[str, Any]], smoke: bool = False) -> list[list[str]]:
+    rows = []
+    for e in entries:
+        if e["status"] != "ok" and not e.get("figures"):
+            rows.append([e["name"], f"**{e['status']}**", "", "", "", "", "", ""])
+        for f in e.get("figures", []):
+            rows.append(
+                [
+                    e["name"],
+                    f["measure"],
+                    f["setup"],
+                    fmt_range(f["service"], f["unit"]),
+                    (f"{fmt_range(f['floor'], f['unit'])}: {f['floor_name']}" if f.get("floor") else "–"),
+                    fmt_range(f["ratio"]) if f.get("ratio") else "–",
+                    f.get("target") or "",
+                    target_met(f, smoke),
+                ]
+            )
+    return rows
+
+
+BEGIN = "<!-- generated by `python -m bench.run`: everything down to the end marker is rewritten -->"
+END = "<!-- end of the generated part -->"
+HEAD = ["bench", "measure", "setup", "torchjobs", "floor", "ratio", "target", "met"]
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def print_table(entries: list[dict[str, Any]], smoke: bool) -> None:
+    rows = [HEAD, *summary_rows(entries, smoke)]
+    rows = [[c.replace("**", "") for c in r] for r in rows]
+    rows = [
+        [
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            r[4].split(": ")[0].split(" (")[0] if r[4] != "–" else r[4],
+            r[5],
+            r[6],
+            r[7],
+        ]
+        for r in rows
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEAD))]
+    print()
+    for i, r in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def render(entries: list[dict[str, Any]], info: dict[str, Any], command: str, smoke: bool) -> str:
+    m = info["machine"]
+    busy = [float(x) for x in m["loadavg"]]
+    noisy = max(busy or [0]) > 0.5 * (m["nproc"] or 1)
+    out = [
+        BEGIN,
+        "## Every benchmark, one command: `bench.run`"
+        + (" (smoke run: not figures to quote)" if smoke else ""),
+        "",
+        f"Written by `{command}` on {info['date']}"
+        + (" (sections keep their own dates)" if info["merged"] else "")
+        + ". Regenerate with `bench/setup.sh && .venv/bin/python -m bench.run`; `--only NAME...` reruns some "
+        "and keeps the other sections.",
+        "",
+        "Every figure is the median of several runs with the min and max in brackets, unless its note says "
+        "otherwise; every ratio is torchjobs against a floor measured in the same run, on the same machine "
+        "(per pair of runs where runs pair up). Targets are shown, never asserted.",
+        "",
+        "### Machine",
+        "",
+        md_table(
+            ["nproc", "memory", "CPU", "kernel", "Python", "torch", "PostgreSQL", "Redis", "wrk", "commit"],
+            [
+                [
+                    str(m["nproc"]),
+                    f"{m['memory_gib']} GiB",
+                    m["cpu"],
+                    m["kernel"],
+                    m["python"],
+                    m["torch"],
+                    m["postgresql"],
+                    m["redis"],
+                    m["wrk"],
+                    m["commit"],
+                ]
+            ],
+        ),
+        "",
+        f"Load average at the start: {' / '.join(m['loadavg'])} (1, 5, 15 min); at the end: "
+        f"{' / '.join(info['loadavg_end'])}.",
+    ]
+    if noisy:
+        out += [
+            "",
+            "**The machine was shared with other work while this ran** (load average above half the "
+            "cores): absolute figures and the ratios are noisy; rerun on an idle machine before quoting "
+            "them.",
+        ]
+    out += ["", "### Summary", "", md_table(HEAD, summary_rows(entries, smoke))]
+    for e in entries:
+        out += ["", f"### {e['name']}: {e.get('title', '')}", ""]
+        out += [f"`{e['command']}` — {e['status']}, {e['seconds']:.0f} s, {e['date']}."]
+        if e.get("figures"):
+            out += [
+                "",
+                md_table(
+                    ["measure", "setup", "torchjobs", "floor", "ratio", "target", "note"],
+                    [
+                        [
+                            f["measure"],
+                            f["setup"],
+                            fmt_range(f["service"], f["unit"])
+                            + (f" (n={f['service']['n']})" if f["service"].get("n") else ""),
+                            f"{fmt_range(f['floor'], f['unit'])}: {f['floor_name']}"
+                            if f.get("floor")
+                            else "–",
+                            fmt_range(f["ratio"]) if f.get("ratio") else "–",
+                            f.get("target") or "",
+                            f.get("note") or "",
+                        ]
+                        for f in e["figures"]
+                    ],
+                ),
+            ]
+        if e.get("details"):
+            out += ["", e["details"]]
+        for note in e.get("notes", []):
+            out += ["", f"- {note}"]
+        if e.get("error_tail"):
+            out += ["", "Error output (tail):", "", "```text", e["error_tail"].strip(), "```"]
+        if e.get("output") and e["name"] in ("trainer", "events", "checkpoint"):
+            out += [
+                "",
+                "<details><summary>its output</summary>",
+                "",
+                "```text",
+                e["output"].strip(),
+                "```",
+                "",
+                "</details>",
+            ]
+    return "\n".join([*out, END]) + "\n"
+
+
+def place_in_doc(existing: str | None, block: str) -> str:
+    """The generated block replaces its previous self; whatever else the document holds (the
+    benchmarks' own write-ups) is kept. A document without the block gets it after its title."""
+    if not existing:
+        return f"# Benchmarks\n\n{block}"
+    if BEGIN in existing and END in existing:
+        head, rest = existing.split(BEGIN, 1)
+        return head + block.rstrip("\n") + rest.split(END, 1)[1]
+    lines = existing.split("\n")
+    if lines and lines[0].startswith("# "):
+        rest = "\n".join(lines[1:]).lstrip("\n")
+        return f"{lines[0]}\n\n{block.rstrip()}\n\n{rest}".rstrip("\n") + "\n"
+    return f"{block}\n{existing}"
+
+
+# ------------------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="the short CI version; writes test-artifacts/bench/smoke/"
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=NAMES, metavar="NAME", help=f"some of: {', '.join(NAMES)}"
+    )
+    parser.add_argument(
+        "--render", action="store_true", help="only rewrite docs/benchmarks.md from docs/benchmarks.json"
+    )
+    args = parser.parse_args(argv)
+    if args.render:
+        saved = json.loads(DOC_JSON.read_text())
+        info = saved["run"]
+        DOC.write_text(
+            place_in_doc(DOC.read_text(), render(saved["benchmarks"], info, info["command"], False))
+        )
+        print(f"rewrote {DOC.relative_to(REPO)}")
+        return 0
+    command = ".venv/bin/python -m bench.run" + (" --smoke" if args.smoke else "")
+    if args.only:
+        command += " --only " + " ".join(args.only)
+
+    out_dir = ARTIFACTS / ("smoke" if args.smoke else "full")
+    logs = out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    info: dict[str, Any] = {"date": utc_now(), "machine": machine(), "command": command, "merged": False}
+    started = time.monotonic()
+    entries = [run_one(b, args.smoke, logs) for b in BENCHMARKS if not args.only or b.name in args.only]
+    info["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+    info["seconds"] = time.monotonic() - started
+
+    doc, doc_json = (
+        (out_dir / "benchmarks.md", out_dir / "benchmarks.json") if args.smoke else (DOC, DOC_JSON)
+    )
+    all_entries = entries
+    if args.only and doc_json.exists():  # keep the sections not rerun
+        previous = {e["name"]: e for e in json.loads(doc_json.read_text()).get("benchmarks", [])}
+        fresh = {e["name"]: e for e in entries}
+        all_entries = [fresh.get(n) or previous[n] for n in NAMES if n in fresh or n in previous]
+        info["merged"] = len(all_entries) > len(entries)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    existing = doc.read_text() if doc.exists() and not args.smoke else None
+    doc.write_text(place_in_doc(existing, render(all_entries, info, command, args.smoke)))
+    doc_json.write_text(json.dumps({"run": info, "benchmarks": all_entries}, indent=2, default=str))
+
+    print_table(entries, args.smoke)
+    print(f"\n{len(entries)} benchmark(s) in {info['seconds']:.0f} s; wrote {doc.relative_to(REPO)}")
+    failed = [e["name"] for e in entries if e["status"] != "ok"]
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (logs in {logs.relative_to(REPO)})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,312 @@
+"""Scheduler: placement decisions per second on PostgreSQL, and how soon a freed GPU is reused.
+
+    .venv/bin/python -m bench.scheduler             # 1,000 jobs on 100 hosts; both setups, ~2 min
+    .venv/bin/python -m bench.scheduler --smoke
+
+1. Placement, in this process, on a fresh PostgreSQL database after `torchjobs db upgrade`:
+   100 online workers with fresh heartbeats and 8 GPU slots each (800 slots), and 1,000 queued
+   jobs of mixed sizes (half of them 1 GPU, then ddp on 2, 4 and 8 GPUs, and 2 nodes x 4 GPUs;
+   a tenth at a higher priority), more than the slots hold. Measured:
+   * `service.scheduler.loop.place` inside a transaction that is rolled back afterwards, so each
+     run decides the same 1,000 jobs from scratch (every job gets a placement or a pending
+     reason: 1,000 decisions), including the flush of every row it writes;
+   * the floor: the pure placement function `service.scheduler.placement.plan` on the same
+     jobs and hosts, no database;
+   * one committed `run_pass` (reap, place, commit, hand to a dispatcher that discards the
+     messages), and then a second one with the leftover queue that no longer fits: what each
+     pass costs while a queue waits.
+2. Freed GPU to the next job's `scheduled`, on real stacks with one worker of one GPU slot: a
+   chain of short script jobs (tests/scripts/hello.py) submitted at once, each waiting for the
+   one before; the gap between the `state` event of a job's end (which frees its slot in the
+   same transaction) and the next job's `scheduled` event. The product's default scheduler
+   interval (1 s) applies: nothing wakes the scheduler when a job ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    REPO,
+    all_events,
+    bench_env,
+    figure,
+    parse_ts,
+    print_figures,
+    production_stack,
+    workdir,
+    write_result,
+)
+from tests import harness
+
+# (share of the jobs, nodes, gpus_per_node, mode)
+JOB_MIX = (
+    (0.5, 1, 1, "single"),
+    (0.2, 1, 2, "ddp"),
+    (0.15, 1, 4, "ddp"),
+    (0.1, 1, 8, "ddp"),
+    (0.05, 2, 4, "ddp"),
+)
+
+
+def seed_database(db: Any, hosts: int, gpus: int, jobs: int) -> None:
+    from service.models import Job, User, Worker, utcnow
+
+    now = utcnow()
+    with db.transaction() as s:
+        owner = User(name="bench", token_hash=uuid.uuid4().hex, is_admin=True)
+        s.add(owner)
+        s.flush()
+        s.add_all(
+            Worker(
+                name=f"host-{i:03d}",
+                address=f"10.0.{i // 250}.{i % 250 + 1}",
+                accelerator="cpu",
+                gpus=gpus,
+                state="online",
+                session=uuid.uuid4().hex,
+                last_heartbeat=now,
+                started_at=now,
+            )
+            for i in range(hosts)
+        )
+        kinds = [k for share, *k in JOB_MIX for _ in range(round(share * 100))]
+        for i in range(jobs):
+            nodes, per_node, mode = kinds[i % len(kinds)]
+            s.add(
+                Job(
+                    owner_id=owner.id,
+                    name=f"sched-{i}",
+                    state="queued",
+                    mode=mode,
+                    nodes=nodes,
+                    gpus_per_node=per_node,
+                    entrypoint={"kind": "builtin", "model": "cnn", "dataset": "digits"},
+                    hyperparameters={"epochs": 1},
+                    env={},
+                    labels={},
+                    max_retries=0,
+                    priority=1 if i % 10 == 0 else 0,
+                    attempt=1,
+                    last_event_seq=0,
+                    created_at=now - timedelta(seconds=jobs - i),
+                    queued_at=now - timedelta(seconds=jobs - i),
+                    pending_reason="waiting for the scheduler",
+                )
+            )
+
+
+def keep_fresh(db: Any) -> None:
+    """Heartbeats, so that no pass reaps the simulated hosts however long the runs take."""
+    from sqlalchemy import update
+
+    from service.models import Worker, utcnow
+
+    with db.transaction() as s:
+        s.execute(update(Worker).values(last_heartbeat=utcnow()))
+
+
+def placement_bench(pg_url: str, scratch: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
+    from sqlalchemy import func, select
+
+    from service.config import Settings
+    from service.db import Database
+    from service.models import GpuAllocation, Job, Worker, utcnow
+    from service.scheduler.loop import place, run_pass
+    from service.scheduler.placement import Host, QueuedJob, plan
+
+    env = bench_env(scratch, TORCHJOBS_DATABASE_URL=pg_url)
+    subprocess.run(harness.torchjobs_cmd("db", "upgrade"), env=env, check=True, capture_output=True, cwd=REPO)
+    settings = Settings(home=scratch, database_url=pg_url)
+    db = Database(settings)
+    try:
+        seed_database(db, args.hosts, args.gpus, args.jobs)
+        service_rates, floor_rates, placed = [], [], []
+        for _ in range(args.runs):
+            keep_fresh(db)
+            # the floor: the pure function on the same inputs
+            with db.read() as s:
+                jobs = s.execute(select(Job).where(Job.state == "queued")).scalars().all()
+                workers = s.execute(select(Worker).where(Worker.state == "online")).scalars().all()
+                now = utcnow()
+                queued = [
+                    QueuedJob(
+                        id=j.id,
+                        priority=j.priority,
+                        nodes=j.nodes,
+                        gpus_per_node=j.gpus_per_node,
+                        waited_s=(now - j.queued_at).total_seconds(),
+                    )
+                    for j in jobs
+                ]
+                hosts = [Host(name=w.name, free=tuple(range(w.gpus))) for w in workers]
+            t0 = time.perf_counter()
+            decision = plan(queued, hosts, settings.starvation_s)
+            floor_s = time.perf_counter() - t0
+            floor_rates.append(len(queued) / floor_s)
+            # the service: place() in a transaction, flushed, rolled back
+            with db.sessionmaker() as s:
+                s.begin()
+                t0 = time.perf_counter()
+                sent = place(s, settings)
+                s.flush()
+                service_s = time.perf_counter() - t0
+                s.rollback()
+            service_rates.append(len(queued) / service_s)
+            placed.append(len({d.job_id for d in sent}))
+            assert len({d.job_id for d in sent}) == len(decision.placements), "place() and plan() disagree"
+        keep_fresh(db)
+        discarded: list[Any] = []
+        t0 = time.perf_counter()
+        run_pass(db, settings, discarded.extend)
+        first_pass_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        run_pass(db, settings, discarded.extend)
+        steady_pass_s = time.perf_counter() - t0
+        with db.read() as s:
+            slots = s.execute(select(func.count()).select_from(GpuAllocation)).scalar_one()
+            still = s.execute(select(func.count()).select_from(Job).where(Job.state == "queued")).scalar_one()
+    finally:
+        db.dispose()
+    setup = f"PostgreSQL, {args.jobs:,} jobs / {args.hosts} hosts"
+    figs = [
+        figure(
+            "placement decisions/s (place(), rolled back)",
+            "decisions/s",
+            service_rates,
+            floor_rates,
+            setup=setup,
+            floor_name="plan() alone, in memory",
+            note=f"{statistics.median(placed):.0f} jobs placed per pass, the rest get a pending reason",
+        ),
+        figure(
+            "run_pass, first (places and commits)",
+            "s",
+            [first_pass_s],
+            setup=setup,
+            note=f"{len(discarded)} node messages to the (discarding) dispatcher",
+        ),
+        figure(
+            "run_pass, steady (queue waiting, nothing fits)",
+            "s",
+            [steady_pass_s],
+            setup=setup,
+            note=f"{still} jobs still queued, {slots} of {args.hosts * args.gpus} slots held",
+        ),
+    ]
+    details = (
+        f"Placement: {args.hosts} hosts x {args.gpus} slots, {args.jobs} queued jobs "
+        "(50% single 1 GPU, 20% ddp 2, 15% ddp 4, 10% ddp 8, 5% ddp 2 nodes x 4; 10% at priority 1); "
+        f"{args.runs} runs of place() and plan(); after the committed pass {slots} slots are held "
+        f"and {still} jobs still queued."
+    )
+    return figs, details
+
+
+def freed_gpu_bench(stack: harness.Stack, chain: int) -> list[float]:
+    """Seconds from a job's terminal `state` event to the next job's `scheduled` event."""
+    spec = {"mode": "single", "gpus_per_node": 1, "entrypoint": {"kind": "script", "path": "hello.py"}}
+    ids = [stack.submit({**spec, "name": f"chain-{i}"})["id"] for i in range(chain + 1)]
+    for job_id in ids:
+        job = stack.wait_job(job_id, timeout=300)
+        if job["state"] != "succeeded":
+            raise RuntimeError(f"job {job_id} {job['state']}: {job.get('error')}")
+    gaps = []
+    for before, after in zip(ids, ids[1:], strict=False):
+        ended = [
+            parse_ts(e["ts"])
+            for e in all_events(stack, before)
+            if e["type"] == "state" and e["data"]["state"] in harness.TERMINAL
+        ]
+        scheduled = [
+            parse_ts(e["ts"])
+            for e in all_events(stack, after)
+            if e["type"] == "state" and e["data"]["state"] == "scheduled"
+        ]
+        gaps.append(scheduled[0] - ended[0])
+    return gaps
+
+
+def one_slot_embedded(home: Path) -> Any:
+    """`torchjobs up` with one GPU slot."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def run() -> Any:
+        home.mkdir(parents=True, exist_ok=True)
+        stack = harness.Stack(home=home, env=bench_env(home), port=harness.free_port(), embedded=True)
+        try:
+            stack._spawn("up", ["up", "--port", str(stack.port), "--gpus", "1", "--accelerator", "cpu"])
+            harness.wait_for(stack._healthy, 60, "the API server")
+            stack.wait_worker_online("local")
+            yield stack
+        finally:
+            stack.stop()
+
+    return run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--hosts", type=int, default=100)
+    parser.add_argument("--gpus", type=int, default=8, help="slots per simulated host")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--chain", type=int, default=6, help="freed-GPU gaps measured per setup")
+    parser.add_argument(
+        "--setups", nargs="+", default=["postgres", "embedded"], choices=["postgres", "embedded"]
+    )
+    parser.add_argument("--artifacts", type=Path, default=REPO / "test-artifacts" / "bench" / "scheduler")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.jobs, args.hosts, args.runs, args.chain, args.setups = 200, 20, 1, 1, ["postgres"]
+
+    with workdir("tj-bench-sched-", keep_on_error=args.artifacts) as scratch:
+        pg_url = harness.create_pg_database()
+        try:
+            figs, details = placement_bench(pg_url, scratch / "placement", args)
+        finally:
+            harness.drop_pg_database(pg_url)
+        print("placement done", file=sys.stderr, flush=True)
+        for setup in args.setups:
+            if setup == "postgres":
+                with production_stack(scratch / "postgres", {"w1": 1}) as (stack, _):
+                    gaps, label = freed_gpu_bench(stack, args.chain), "PostgreSQL + Redis"
+            else:
+                with one_slot_embedded(scratch / "embedded") as stack:
+                    gaps, label = freed_gpu_bench(stack, args.chain), "embedded"
+            print(f"{label}: freed GPU -> next scheduled {[round(g, 3) for g in gaps]}", file=sys.stderr)
+            figs.append(
+                figure(
+                    "freed GPU -> next job scheduled",
+                    "s",
+                    gaps,
+                    setup=label,
+                    note="default scheduler interval 1 s",
+                )
+            )
+
+    result = {
+        "name": "scheduler",
+        "title": "Scheduler: placement rate on PostgreSQL, and a freed GPU's reuse",
+        "figures": figs,
+        "details": details,
+        "notes": [],
+    }
+    write_result(args.json, result)
+    print_figures(result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
