@@ -17,6 +17,7 @@ from sqlalchemy import select
 from service.checkpoints import service as checkpoints_service
 from service.db import Database
 from service.jobs.lifecycle import NodeOutcome, finish_node
+from service.jobs.schemas import PROGRESS_FIELDS
 from service.jobs.states import append_event, append_events, lock_job
 from service.models import Checkpoint, Job, LogChunk
 from service.notify import mark_logs
@@ -25,16 +26,6 @@ from service.storage import Storage
 
 log = logging.getLogger("torchjobs.worker")
 MAX_CHUNK = 256 * 1024
-PROGRESS_FIELDS = (
-    "epoch",
-    "epochs",
-    "step",
-    "total_steps",
-    "loss",
-    "samples_per_sec",
-    "val_loss",
-    "val_accuracy",
-)
 
 
 @dataclass

@@ -7,6 +7,17 @@ from pydantic import BaseModel
 
 from service.schemas import CheckpointOut, Output
 
+PROGRESS_FIELDS = (
+    "epoch",
+    "epochs",
+    "step",
+    "total_steps",
+    "loss",
+    "samples_per_sec",
+    "val_loss",
+    "val_accuracy",
+)  # what a progress report may update on the Job; the metrics series carries the same
+
 
 class Progress(BaseModel):
     epoch: int | None = None

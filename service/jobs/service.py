@@ -16,23 +16,21 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.errors import InvalidSpec, NotFound
 from service.jobs import repository as repo
-from service.jobs.schemas import Assignment, AttemptOut, EventOut, JobList, JobOut, MetricsOut, Progress
+from service.jobs.schemas import (
+    PROGRESS_FIELDS,
+    Assignment,
+    AttemptOut,
+    EventOut,
+    JobList,
+    JobOut,
+    MetricsOut,
+    Progress,
+)
 from service.jobs.spec import JobSpec
 from service.jobs.states import ALL_STATES, CANCELLED, CANCELLING, QUEUED, TERMINAL, transition_job
 from service.jobs.validation import validate_in_context
 from service.models import Job, User
 from service.schemas import MAX_ID, checkpoint_out
-
-PROGRESS_KEYS = (
-    "epoch",
-    "epochs",
-    "step",
-    "total_steps",
-    "loss",
-    "samples_per_sec",
-    "val_loss",
-    "val_accuracy",
-)
 
 
 def submit_job(
@@ -128,7 +126,7 @@ def list_events(session: Session, job: Job, after: int, limit: int = 1000) -> li
 def metrics(session: Session, job: Job) -> MetricsOut:
     series = []
     for event in repo.progress_events(session, job.id):
-        point = {k: event.data.get(k) for k in PROGRESS_KEYS}
+        point = {k: event.data.get(k) for k in PROGRESS_FIELDS}
         point["ts"] = event.ts.isoformat()
         series.append(point)
     return MetricsOut(series=series)
@@ -146,7 +144,7 @@ def progress_of(job: Job) -> Progress:
         fraction = min(1.0, data["epoch"] / data["epochs"])
     if job.state == "succeeded":
         fraction = 1.0
-    return Progress(**{k: data.get(k) for k in PROGRESS_KEYS}, fraction=fraction)
+    return Progress(**{k: data.get(k) for k in PROGRESS_FIELDS}, fraction=fraction)
 
 
 def job_views(session: Session, jobs: Sequence[Job]) -> list[JobOut]:

@@ -153,9 +153,7 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
     if not rows:
         return []
     workers = {w.name: w for w in session.execute(select(Worker).where(Worker.state == "online")).scalars()}
-    used: dict[str, set[int]] = {}
-    for alloc in session.execute(select(GpuAllocation)).scalars():
-        used.setdefault(alloc.worker_name, set()).add(alloc.gpu_index)
+    used = workers_repo.used_slots(session)
     hosts = [
         Host(name=n, free=tuple(i for i in range(w.gpus) if i not in used.get(n, set())))
         for n, w in workers.items()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.models import Job, JobEvent, LogChunk, NodeRun
+from service.models import Job, LogChunk, NodeRun
 
 LOG_ROWS_PER_QUERY = 256
 
@@ -32,19 +31,6 @@ def job_cursor(session: Session, job_id: int) -> JobCursor | None:
         select(Job.state, Job.attempt, Job.last_event_seq).where(Job.id == job_id)
     ).one_or_none()
     return JobCursor(row.state, row.attempt, row.last_event_seq) if row else None
-
-
-def events_after(session: Session, job_id: int, after: int, limit: int) -> Sequence[JobEvent]:
-    return (
-        session.execute(
-            select(JobEvent)
-            .where(JobEvent.job_id == job_id, JobEvent.seq > after)
-            .order_by(JobEvent.seq)
-            .limit(limit)
-        )
-        .scalars()
-        .all()
-    )
 
 
 def change_marks(

@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db import Database
 from service.errors import InvalidSpec
+from service.jobs import repository as jobs_repo
 from service.jobs.schemas import EventOut
 from service.jobs.states import TERMINAL
 from service.models import Job, utcnow
@@ -126,7 +127,7 @@ class StreamReader:
             cursor = repo.job_cursor(session, job_id)
             if cursor is None:
                 return EventPage((), ended=True, full=False)
-            rows = repo.events_after(session, job_id, after, EVENTS_PER_READ)
+            rows = jobs_repo.events_after(session, job_id, after, EVENTS_PER_READ)
             items = tuple(
                 EventItem(
                     seq=e.seq,

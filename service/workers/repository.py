@@ -19,6 +19,14 @@ def allocations(session: Session) -> Sequence[GpuAllocation]:
     return session.execute(select(GpuAllocation)).scalars().all()
 
 
+def used_slots(session: Session, allocs: Sequence[GpuAllocation] | None = None) -> dict[str, set[int]]:
+    """GPU indices held on each worker, from the allocation rows (read here unless given)."""
+    used: dict[str, set[int]] = {}
+    for alloc in allocations(session) if allocs is None else allocs:
+        used.setdefault(alloc.worker_name, set()).add(alloc.gpu_index)
+    return used
+
+
 def upsert_worker(
     session: Session, *, name: str, address: str, accelerator: str, gpus: int, session_id: str, now: datetime
 ) -> None:

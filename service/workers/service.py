@@ -7,10 +7,10 @@ from service.workers.schemas import WorkerList, WorkerOut
 
 
 def list_workers(session: Session) -> WorkerList:
-    used: dict[str, set[int]] = {}
+    allocs = repo.allocations(session)
+    used = repo.used_slots(session, allocs)
     jobs: dict[str, set[int]] = {}
-    for alloc in repo.allocations(session):
-        used.setdefault(alloc.worker_name, set()).add(alloc.gpu_index)
+    for alloc in allocs:
         jobs.setdefault(alloc.worker_name, set()).add(alloc.job_id)
     return WorkerList(
         items=[
