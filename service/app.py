@@ -45,6 +45,12 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         app.state.db, app.state.settings = db, settings
         with db.transaction() as session:
             ensure_admin(session, settings)
+        log.info(
+            "torchjobs %s API up on %s, scheduler %s",
+            __version__,
+            db.engine.dialect.name,
+            "on" if scheduler else "off",
+        )
         thread = None
         if scheduler:
             thread = SchedulerThread(db, settings, _celery_dispatcher(settings))
