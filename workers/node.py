@@ -96,7 +96,16 @@ def _claim(ctx: WorkerContext, key: NodeKey) -> Claimed | None:
             user_env=dict(job.env or {}),
         )
         resume = (latest.id, latest.storage_key, latest.sha256) if latest else None
+        if latest is not None and key.node_rank == 0:
+            job.progress = resumed_progress(job.progress, latest)
         return Claimed(launch_fields=fields, resume=resume)
+
+
+def resumed_progress(progress: dict | None, ckpt: Checkpoint) -> dict:
+    """A resumed job counts what its checkpoint completed until it completes more (contract §2)."""
+    if ckpt.epoch is None:
+        return dict(progress or {})
+    return {**(progress or {}), "epoch": ckpt.epoch, "step": ckpt.step}
 
 
 class _ResumeError(Exception):

@@ -29,7 +29,7 @@ from service.jobs.schemas import (
 from service.jobs.spec import JobSpec
 from service.jobs.states import ALL_STATES, CANCELLED, CANCELLING, QUEUED, TERMINAL, transition_job
 from service.jobs.validation import validate_in_context
-from service.models import Job, User
+from service.models import Checkpoint, Job, User
 from service.schemas import MAX_ID, checkpoint_out
 
 
@@ -54,6 +54,7 @@ def submit_job(
         hyperparameters=hyper.model_dump() if hyper else None,
         resume_from=spec.resume_from.model_dump(exclude_none=True) if spec.resume_from else None,
         resume_checkpoint_id=resume_checkpoint_id,
+        progress=_progress_from(session, resume_checkpoint_id),
         env=spec.env,
         labels=spec.labels,
         max_retries=spec.max_retries,
@@ -77,6 +78,14 @@ def submit_job(
 
     append_event(session, job.id, "state", {"state": QUEUED, "reason": "submitted"})
     return job, True
+
+
+def _progress_from(session: Session, checkpoint_id: int | None) -> dict[str, Any] | None:
+    """A job resuming after epoch 2 reports epoch 2 from the start, not nothing."""
+    ckpt = session.get(Checkpoint, checkpoint_id) if checkpoint_id else None
+    if ckpt is None or ckpt.epoch is None:
+        return None
+    return {"epoch": ckpt.epoch, "step": ckpt.step}
 
 
 def get_job(session: Session, user: User, job_id: int) -> Job:

@@ -108,3 +108,24 @@ def test_every_endpoint_needs_a_token(stack: Stack) -> None:
     for path in ("/v1/jobs", "/v1/jobs/1", "/v1/jobs/1/events", "/v1/workers", "/v1/me"):
         assert httpx.get(f"{stack.url}{path}").status_code == 401
         assert httpx.get(f"{stack.url}{path}", headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_resumed_job_starts_at_the_saved_epoch(embedded: Stack) -> None:
+    first = embedded.submit({"mode": "single", "entrypoint": BUILTIN, "hyperparameters": HYPER})
+    assert embedded.wait_job(first["id"])["state"] == "succeeded"
+    spec = {
+        "mode": "ddp",
+        "gpus_per_node": 2,
+        "entrypoint": BUILTIN,
+        "hyperparameters": {**HYPER, "epochs": 3},
+        "resume_from": {"job_id": first["id"]},
+    }
+    resumed = embedded.submit(spec)
+    assert resumed["progress"]["epoch"] == 2  # contract §2: counts what is completed, from the start
+    done = embedded.wait_job(resumed["id"])
+    assert done["state"] == "succeeded", done["error"]
+    progress = [e["data"] for e in embedded.events(resumed["id"]) if e["type"] == "progress"]
+    assert progress[0]["epoch"] == 2 and progress[-1]["epoch"] == 3
+    assert [
+        c["epoch"] for c in [e["data"] for e in embedded.events(resumed["id"]) if e["type"] == "checkpoint"]
+    ] == [3]
