@@ -129,3 +129,17 @@ def test_resumed_job_starts_at_the_saved_epoch(embedded: Stack) -> None:
     assert [
         c["epoch"] for c in [e["data"] for e in embedded.events(resumed["id"]) if e["type"] == "checkpoint"]
     ] == [3]
+
+
+def test_an_ordinary_torchrun_script_runs_unchanged(embedded: Stack) -> None:
+    job = embedded.submit(
+        {"mode": "ddp", "gpus_per_node": 2, "entrypoint": {"kind": "script", "path": "plain_ddp.py"}}
+    )
+    done = embedded.wait_job(job["id"])
+    assert done["state"] == "succeeded", done["error"]
+    events = embedded.events(job["id"])
+    assert [e["data"]["name"] for e in events if e["type"] == "checkpoint"] == ["plain-1.pt", "plain-2.pt"]
+    assert [e["data"]["epoch"] for e in events if e["type"] == "progress"] == [1, 2]
+    with embedded.client() as c:
+        rank1 = c.get(f"/v1/jobs/{job['id']}/logs", params={"node": 0, "rank": 1}).text
+    assert "rank 1 local 1 epoch 1" in rank1
