@@ -217,3 +217,16 @@ def test_errors_never_leak_internals(stack: Stack) -> None:
             assert resp.status_code in (404, 422), resp.text
             text = resp.text.lower()
             assert "traceback" not in text and "sqlalchemy" not in text and "/work/" not in text
+
+
+def test_idempotency_key_returns_the_first_job_never_a_second(stack: Stack, users: dict[str, str]) -> None:
+    spec = {"mode": "single", "entrypoint": {"kind": "script", "path": "ok.py"}}
+    with stack.client(users["alice"]) as alice, stack.client(users["bob"]) as bob:
+        first = alice.post("/v1/jobs", json=spec, headers={"Idempotency-Key": "k-1"})
+        again = alice.post("/v1/jobs", json=spec, headers={"Idempotency-Key": "k-1"})
+        other_user = bob.post("/v1/jobs", json=spec, headers={"Idempotency-Key": "k-1"})
+        assert (first.status_code, again.status_code, other_user.status_code) == (201, 200, 201)
+        assert again.json()["id"] == first.json()["id"] != other_user.json()["id"]
+        assert first.headers["Location"] == f"/v1/jobs/{first.json()['id']}" == again.headers["Location"]
+        mine = [j["id"] for j in alice.get("/v1/jobs", params={"limit": 500}).json()["items"]]
+        assert mine.count(first.json()["id"]) == 1
