@@ -230,3 +230,23 @@ def test_idempotency_key_returns_the_first_job_never_a_second(stack: Stack, user
         assert first.headers["Location"] == f"/v1/jobs/{first.json()['id']}" == again.headers["Location"]
         mine = [j["id"] for j in alice.get("/v1/jobs", params={"limit": 500}).json()["items"]]
         assert mine.count(first.json()["id"]) == 1
+
+
+def test_list_pages_newest_first_with_a_cursor_and_filters_by_state(
+    stack: Stack, users: dict[str, str]
+) -> None:
+    spec = {"mode": "single", "entrypoint": {"kind": "script", "path": "ok.py"}}
+    with stack.client(users["bob"]) as bob:
+        made = [bob.post("/v1/jobs", json=spec).json()["id"] for _ in range(5)]
+        seen, cursor = [], None
+        while True:
+            page = bob.get("/v1/jobs", params={"limit": 2, **({"cursor": cursor} if cursor else {})}).json()
+            seen += [j["id"] for j in page["items"]]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        assert seen == sorted(seen, reverse=True) and set(made) <= set(seen) and len(seen) == len(set(seen))
+        queued = bob.get("/v1/jobs", params={"state": "queued", "limit": 500}).json()["items"]
+        assert {j["state"] for j in queued} == {"queued"}
+        assert bob.get("/v1/jobs", params={"state": "sleeping"}).status_code == 422
+        assert bob.get("/v1/jobs", params={"limit": 0}).status_code == 422
