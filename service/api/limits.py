@@ -42,12 +42,10 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    # Answer 413 ourselves, then tell the app the client went away, so it
-                    # stops reading; anything it still tries to send is dropped.
+                    # Tell the app the client went away, so it stops reading and cleans up;
+                    # anything it still tries to send is dropped, and the 413 goes out once
+                    # it has finished: by the time the client reads it, nothing is left.
                     state["rejected"] = True
-                    if not state["started"]:
-                        state["started"] = True
-                        await _reply_413(send, limit)
                     return {"type": "http.disconnect"}
             return message
 
@@ -58,7 +56,11 @@ class BodyLimitMiddleware:
                 state["started"] = True
             await send(message)
 
-        await self.app(scope, limited_receive, guarded_send)
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        finally:
+            if state["rejected"] and not state["started"]:
+                await _reply_413(send, limit)
 
 
 def _content_length(scope: Scope) -> int | None:
