@@ -19,6 +19,12 @@ from tests import harness
 from tests.harness import Stack, pids_of_job, wait_event, wait_for
 
 LONG = {"kind": "builtin", "model": "cnn", "dataset": "synthetic"}
+# A single-process job of some seconds: long enough to disturb something while it runs.
+SHORT_SINGLE = {
+    "mode": "single",
+    "entrypoint": LONG,
+    "hyperparameters": {"epochs": 3, "synthetic_size": 8000, "num_workers": 0},
+}
 
 
 @pytest.fixture
@@ -148,11 +154,7 @@ def test_killing_one_node_of_a_two_node_job_ends_the_attempt(stack: Stack) -> No
 
 
 def test_api_server_restart_mid_job(stack: Stack) -> None:
-    spec = {
-        "mode": "single",
-        "entrypoint": LONG,
-        "hyperparameters": {"epochs": 3, "synthetic_size": 8000, "num_workers": 0},
-    }
+    spec = SHORT_SINGLE
     job = stack.submit(spec)
     wait_event(stack, job["id"], lambda e: e["type"] == "progress")
     stack.kill("server")
@@ -226,11 +228,7 @@ def restart_redis() -> None:
 
 
 def test_redis_restart_mid_job(stack: Stack) -> None:
-    spec = {
-        "mode": "single",
-        "entrypoint": LONG,
-        "hyperparameters": {"epochs": 3, "synthetic_size": 8000, "num_workers": 0},
-    }
+    spec = SHORT_SINGLE
     job = stack.submit(spec)
     wait_event(stack, job["id"], lambda e: e["type"] == "progress")
     restart_redis()  # the queued message of the next job was lost with it: it is sent again
