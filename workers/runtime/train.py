@@ -5,7 +5,8 @@ A rank stops cleanly on SIGTERM (see preemption.py), and also when torchrun itse
 Following torchrun's advice, the checkpoint is loaded first (ranks are not stable across
 restarts, so all state comes from the checkpoint), then the process group is joined, then
 training runs. `@record` writes a failing rank's traceback to torchrun's error file, which the
-platform reads to name the root cause; the process group is destroyed on every exit path.
+platform reads to name the root cause; the process group is destroyed on every exit path, and
+the process ends with `os._exit` once its output is flushed (exiting.py says why).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from workers.runtime.config import TrainConfig, load_config
 from workers.runtime.distributed import DistContext, barrier, init_distributed, teardown_distributed
 from workers.runtime.env import RuntimeEnv, runtime_env
 from workers.runtime.errors import PREEMPTED_EXIT_CODE, Preempted
+from workers.runtime.exiting import run_then_exit
 from workers.runtime.plan import RunPlan, make_plan
 from workers.runtime.preemption import ParentWatchdog, PreemptionFlag
 from workers.runtime.trainer import Resume, Trainer, log
@@ -61,8 +63,9 @@ def _train(
     flag: PreemptionFlag,
     resume: Resume | None,
 ) -> int:
-    """Run the trainer; it (and the DDP wrapper holding the process group) is gone on return, so
-    the group is really torn down before the interpreter exits (gloo aborts otherwise)."""
+    """Run the trainer; it and its DDP wrapper are gone on return. The wrapper's Reducer still
+    keeps the process group's threads alive, which is why the process ends through
+    `run_then_exit` (see exiting.py)."""
     try:
         return Trainer(config=config, plan=plan, env=env, ctx=ctx, flag=flag, resume=resume).run()
     except Preempted:
@@ -71,4 +74,4 @@ def _train(
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_then_exit(main)

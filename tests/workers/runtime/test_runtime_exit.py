@@ -1,0 +1,79 @@
+"""How a rank leaves its process: exit codes kept, tracebacks printed, and no SIGABRT from gloo
+threads outliving the interpreter (see workers/runtime/exiting.py)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers.runtime.exiting import run_then_exit
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_exit_after_barrier.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_code(main, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    codes: list[int] = []
+    run_then_exit(main, exit_now=codes.append)
+    return codes[0], capsys.readouterr().err
+
+
+def test_return_value_is_the_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _exit_code(lambda: 0, capsys)[0] == 0
+    assert _exit_code(lambda: 75, capsys)[0] == 75
+
+
+def test_an_exception_prints_its_traceback_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    def broken() -> int:
+        raise ValueError("bad batch size")
+
+    code, err = _exit_code(broken, capsys)
+    assert code == 1
+    assert "Traceback" in err and "ValueError: bad batch size" in err
+
+
+def test_system_exit_keeps_its_code(capsys: pytest.CaptureFixture[str]) -> None:
+    def usage_error() -> int:
+        raise SystemExit(2)
+
+    assert _exit_code(usage_error, capsys)[0] == 2
+
+
+def test_ddp_ranks_exit_cleanly_after_a_final_barrier(jobs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Without run_then_exit about 1 run in 10 of this script aborted (2 of 20 measured, more
+    under load); 12 runs, two at a time, show a regression about 3 times in 4."""
+    for _ in range(6):
+        procs = []
+        for _ in range(2):
+            port = _free_port()
+            argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=2",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                str(SCRIPT),
+            ]
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    cwd=tmp_path,
+                    env=jobs.child_env(),
+                    text=True,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        for proc in procs:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0 and "terminate called" not in out, out[-3000:]
