@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     starvation_s: float = 300.0
     cancel_grace_s: float = 10.0
     rendezvous_timeout_s: float = 120.0
+    preflight_timeout_s: float = Field(60.0, gt=0)
     redispatch_after_s: float = 10.0
     cache_max_bytes: int = 20 * 1024**3
     master_port_base: int = 29400

@@ -64,6 +64,20 @@ class Network:
         self.hosts[name] = address
         return address
 
+    def add_isolated_interface(self, name: str, interface: str, address: str) -> None:
+        """A second interface in host `name` whose address no other host can route to, as on a
+        multi-homed machine whose collectives were pointed at the wrong network."""
+        ns = self.namespace(name)
+        # a veth pair with both ends in the namespace: the kernel here has no dummy interfaces
+        _ip("-n", ns, "link", "add", interface, "type", "veth", "peer", "name", f"{interface}p")
+        _ip("-n", ns, "addr", "add", f"{address}/24", "dev", interface)
+        _ip("-n", ns, "link", "set", interface, "up")
+
+    def route(self, name: str, destination: str, via: str) -> None:
+        """Send `destination` from host `name` through `via` (an address nobody holds makes a
+        black hole: packets leave and nothing ever answers)."""
+        _ip("-n", self.namespace(name), "route", "add", destination, "via", via)
+
     def namespace(self, name: str) -> str:
         return f"tj{self.tag}{name}"
 

@@ -130,6 +130,7 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         run_dir=run_dir,
         python=sys.executable,
         rendezvous_timeout_s=int(ctx.settings.rendezvous_timeout_s),
+        preflight_timeout_s=ctx.settings.preflight_timeout_s,
         resume_path=resume_path,
         tmp_root=Path(tempfile.gettempdir()),
         base_env=dict(os.environ),

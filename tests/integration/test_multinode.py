@@ -112,6 +112,43 @@ def test_wrong_master_address_fails_promptly_naming_the_node(two_hosts) -> None:
         assert all(w["gpus_free"] == 2 for w in c.get("/v1/workers").json()["items"])
 
 
+def test_broken_network_between_hosts_fails_in_the_preflight_naming_the_node(two_hosts) -> None:
+    """Both nodes reach the rendezvous master, but host b's collectives are pointed at an
+    interface on a network that host a routes into a black hole: gloo retries the connection
+    ("timed out connecting: No route to host"), and without the pre-flight it would do so
+    until the process group's 30-minute timeout, with the job showing `running`."""
+    stack, net, env = two_hosts
+    for name in ("hosta", "hostb"):
+        address = net.add_host(name)
+        host_env = {**env, "TORCHJOBS_PREFLIGHT_TIMEOUT_S": "10"}
+        if name == "hostb":
+            net.add_isolated_interface(name, "tjx0", "10.99.0.2")
+            host_env["GLOO_SOCKET_IFNAME"] = "tjx0"
+        else:
+            net.route(name, "10.99.0.0/24", f"{net.subnet}.250")
+        stack.start_worker(name, 1, address=address, extra_env=host_env, netns=net.namespace(name))
+    started = time.monotonic()
+    job = stack.submit(
+        {
+            "mode": "ddp",
+            "nodes": 2,
+            "gpus_per_node": 1,
+            "entrypoint": DIGITS,
+            "hyperparameters": {"epochs": 1, "num_workers": 0},
+        }
+    )
+    done = stack.wait_job(job["id"], timeout=120)
+    elapsed = time.monotonic() - started
+    assert done["state"] == "failed", done
+    assert "pre-flight could not connect to every other rank within 10 s" in done["error"], done["error"]
+    assert "10.99.0.2" in done["error"]  # the unreachable peer, named by gloo
+    assert "node 0 on worker hosta" in done["error"] or "node 1 on worker hostb" in done["error"]
+    assert elapsed < 10 + 40, elapsed  # the pre-flight timeout plus start-up
+    wait_for(lambda: pids_of_job(job["id"], stack.home) == [] or None, 30, "no process of the job left")
+    with stack.client() as c:
+        assert all(w["gpus_free"] == 1 for w in c.get("/v1/workers").json()["items"])
+
+
 def test_mixed_queue_never_exceeds_any_host(tmp_path: Path, pg_url: str, redis_url: str) -> None:
     stack = harness.production_stack(tmp_path, pg_url, redis_url, workers={"w1": 2, "w2": 2})
     try:

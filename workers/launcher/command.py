@@ -36,6 +36,7 @@ class NodeLaunch:
     run_dir: Path
     python: str
     rendezvous_timeout_s: int = 120
+    preflight_timeout_s: float = 60.0
     tmp_root: Path = Path("/tmp")
     resume_path: str | None = None
     user_env: Mapping[str, str] = field(default_factory=dict)
@@ -140,7 +141,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
     config = None
     if launch.entrypoint.get("kind") == "script":
         assert launch.script_path is not None
-        argv += [launch.script_path, *launch.entrypoint.get("args", [])]
+        argv += ["-m", "workers.runtime.script", launch.script_path, *launch.entrypoint.get("args", [])]
     else:
         config = trainer_config(launch)
         argv += ["-m", "workers.runtime.train", "--config", str(paths.config)]
@@ -160,6 +161,7 @@ def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
         TORCHJOBS_CHECKPOINT_DIR=str(paths.checkpoints),
         TORCHJOBS_EVENTS=str(paths.events),
         TORCHJOBS_ACCELERATOR=launch.accelerator,
+        TORCHJOBS_PREFLIGHT_TIMEOUT_S=f"{launch.preflight_timeout_s:g}",
         TMPDIR=str(paths.tmp),
         PYTHONUNBUFFERED="1",
     )

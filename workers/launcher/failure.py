@@ -29,6 +29,7 @@ _ROOT = re.compile(
     re.S,
 )
 _INFRA_MARKERS = (
+    "pre-flight could not",
     "DistNetworkError",
     "RendezvousTimeoutError",
     "RendezvousConnectionError",

@@ -34,6 +34,8 @@ class RuntimeEnv:
     resume_from: Path | None = None
     events_path: Path | None = None
     accelerator: str | None = None
+    node_rank: int | None = None  # torchrun's GROUP_RANK
+    preflight_timeout_s: float = 60.0
     # torchrun (its elastic agent) started this process: TORCHELASTIC_RUN_ID is set.
     under_torchrun: bool = False
     # Test-only: when set, each rank dumps the sample indices it trained on and its BatchNorm
@@ -67,6 +69,18 @@ class RuntimeEnv:
             except ValueError:
                 raise ConfigError(f"{name} must be an integer, not {value!r}") from None
 
+        def seconds(name: str, default: float) -> float:
+            value = text(name)
+            if value is None:
+                return default
+            try:
+                parsed = float(value)
+            except ValueError:
+                parsed = -1.0
+            if not parsed > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}")
+            return parsed
+
         def path(name: str) -> Path | None:
             value = text(name)
             return Path(value) if value else None
@@ -85,6 +99,8 @@ class RuntimeEnv:
             resume_from=path("TORCHJOBS_RESUME_FROM"),
             events_path=path("TORCHJOBS_EVENTS"),
             accelerator=text("TORCHJOBS_ACCELERATOR"),
+            node_rank=integer("GROUP_RANK"),
+            preflight_timeout_s=seconds("TORCHJOBS_PREFLIGHT_TIMEOUT_S", 60.0),
             debug_dump_dir=path("TORCHJOBS_DEBUG_DUMP_DIR"),
             under_torchrun=text("TORCHELASTIC_RUN_ID") is not None,
         )

@@ -2,7 +2,8 @@
 factory jobs (one process per rank).
 
 A rank stops cleanly on SIGTERM (see preemption.py), and also when torchrun itself dies.
-Following torchrun's advice, the checkpoint is loaded first (ranks are not stable across
+Every rank first meets every other one (preflight.py), so a broken network fails in seconds.
+Following torchrun's advice, the checkpoint is loaded next (ranks are not stable across
 restarts, so all state comes from the checkpoint), then the process group is joined, then
 training runs. `@record` writes a failing rank's traceback to torchrun's error file, which the
 platform reads to name the root cause; the process group is destroyed on every exit path, and
@@ -25,6 +26,7 @@ from workers.runtime.errors import PREEMPTED_EXIT_CODE, Preempted
 from workers.runtime.exiting import run_then_exit
 from workers.runtime.plan import RunPlan, make_plan
 from workers.runtime.preemption import ParentWatchdog, PreemptionFlag
+from workers.runtime.preflight import run_preflight
 from workers.runtime.trainer import Resume, Trainer, log
 
 
@@ -44,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         ParentWatchdog(flag).start()
     config = load_config(args.config)
     plan = make_plan(config, env, cuda_device_count=torch.cuda.device_count())
+    preflight_s = run_preflight(env)
+    if preflight_s is not None and env.rank == 0:
+        log(env.rank, f"pre-flight: all {env.world_size} ranks reached each other in {preflight_s:.2f} s")
     resume = load_checkpoint(env.resume_from) if env.resume_from is not None else None
     try:
         ctx = init_distributed(plan)

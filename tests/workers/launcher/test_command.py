@@ -71,7 +71,8 @@ def test_script_argv_runs_the_file_with_its_args() -> None:
             gpus=(1,),
         )
     )
-    assert plan.argv[-3:] == ["/roots/t.py", "--lr", "0.1"]
+    # the file itself runs unchanged, behind the pre-flight wrapper
+    assert plan.argv[-5:] == ["-m", "workers.runtime.script", "/roots/t.py", "--lr", "0.1"]
     assert plan.config is None
     assert "--nproc-per-node=1" in plan.argv
 
@@ -86,6 +87,7 @@ def test_rank_environment_is_the_contract_and_nothing_of_ours() -> None:
     assert "TORCHJOBS_DATABASE_URL" not in env  # the worker's secrets never reach a rank
     assert "MASTER_PORT" not in env and "RANK" not in env  # torchrun sets these itself
     assert env["TMPDIR"].startswith("/tmp/torchjobs-")
+    assert env["TORCHJOBS_PREFLIGHT_TIMEOUT_S"] == "60"
 
 
 def test_tmpdir_stays_short_for_unix_sockets_however_deep_the_home() -> None:

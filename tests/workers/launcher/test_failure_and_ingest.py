@@ -53,6 +53,8 @@ def test_classifier() -> None:
     assert is_retryable(75, "", signalled_by_us=False)  # preempted rank
     assert is_retryable(1, "torch.distributed.DistNetworkError: Connection reset by peer", False)
     assert not is_retryable(1, "ValueError: bad input", False)
+    preflight = "PreflightError: rank 1 of 4 (node 1, host b): pre-flight could not connect to every rank"
+    assert is_retryable(1, preflight, False)  # the network, not the job
     assert not is_retryable(-9, "torch.OutOfMemoryError: CUDA out of memory", False)
 
 

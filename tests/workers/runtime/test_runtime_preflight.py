@@ -1,0 +1,78 @@
+"""The pre-flight under real torchrun on one host: ranks meet before user code, the private
+group is gone when a script starts, and a rank that cannot connect fails naming itself.
+Across two hosts with a black-holed route: tests/integration/test_multinode.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(jobs: Any, cwd: Path, nproc: int, *target: str, **env: str) -> subprocess.CompletedProcess[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        *target,
+    ]
+    return subprocess.run(
+        argv, cwd=cwd, env=jobs.child_env(**env), capture_output=True, text=True, timeout=180, check=False
+    )
+
+
+def _probes(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("rank-*.json"))]
+
+
+def test_a_script_starts_as_if_python_ran_it_after_the_preflight(jobs: Any, tmp_path: Path) -> None:
+    probe = str(SCRIPTS / "probe.py")
+    done = _torchrun(
+        jobs, tmp_path, 2, "-m", "workers.runtime.script", probe, "--lr", "0.1", PROBE_DIR=str(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = _probes(tmp_path)
+    assert sorted(p["rank"] for p in seen) == ["0", "1"]
+    for p in seen:
+        assert p["name"] == "__main__" and p["file"] == probe
+        assert p["argv"] == [probe, "--lr", "0.1"] and p["path0"] == str(SCRIPTS)
+        # the pre-flight's group is private and already gone: the script inits its own
+        assert p["default_group"] is False
+
+
+def test_the_builtin_trainer_reports_the_preflight(jobs: Any, tmp_path: Path) -> None:
+    run = jobs.start(tmp_path / "run", jobs.config("ddp", epochs=1), nproc=2).ok()
+    assert "pre-flight: all 2 ranks reached each other in" in run.output
+
+
+def test_a_rank_that_cannot_open_its_sockets_fails_naming_itself(jobs: Any, tmp_path: Path) -> None:
+    probe = str(SCRIPTS / "probe.py")
+    done = _torchrun(
+        jobs,
+        tmp_path,
+        2,
+        "-m",
+        "workers.runtime.script",
+        probe,
+        GLOO_SOCKET_IFNAME="tjnone0",
+        PROBE_DIR=str(tmp_path),
+    )
+    assert done.returncode != 0
+    out = done.stdout + done.stderr
+    assert "PreflightError" in out and "pre-flight could not connect to every other rank" in out, out[-3000:]
+    assert "rank 0 of 2 (node 0, host" in out or "rank 1 of 2 (node 0, host" in out
+    assert _probes(tmp_path) == []  # the script itself never ran

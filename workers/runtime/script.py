@@ -1,0 +1,38 @@
+"""`python -m workers.runtime.script PATH [ARGS...]`: what torchrun runs for script jobs.
+
+It runs the pre-flight (preflight.py) across every rank when there is more than one, then the
+user's file as `__main__`, with `sys.argv` and `sys.path[0]` as `python PATH ARGS` would set
+them: the script is unchanged and sees the same torchrun environment. Its exit (a return, an
+exception, `sys.exit`) is its own; `@record` gives a failed pre-flight its place in torchrun's
+error file, as for the builtin trainer.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from workers.runtime.env import runtime_env
+from workers.runtime.preflight import run_preflight
+
+
+@record
+def preflight() -> None:
+    run_preflight(runtime_env())
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: python -m workers.runtime.script PATH [ARGS...]")
+    path = Path(argv[0])
+    preflight()
+    sys.argv = [str(path), *argv[1:]]
+    sys.path[0] = str(path.resolve().parent)
+    runpy.run_path(str(path), run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
