@@ -282,9 +282,11 @@ def main(argv: list[str] | None = None) -> int:
             if setup == "postgres":
                 with production_stack(scratch / "postgres", {"w1": 1}) as (stack, _):
                     gaps, label = freed_gpu_bench(stack, args.chain), "PostgreSQL + Redis"
+                note = "woken by the Redis wake-up of the commit that freed the GPU"
             else:
                 with one_slot_embedded(scratch / "embedded") as stack:
                     gaps, label = freed_gpu_bench(stack, args.chain), "embedded"
+                note = "no Redis: the scheduler's 1 s timer"
             print(f"{label}: freed GPU -> next scheduled {[round(g, 3) for g in gaps]}", file=sys.stderr)
             figs.append(
                 figure(
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                     "s",
                     gaps,
                     setup=label,
-                    note="default scheduler interval 1 s",
+                    note=note,
                 )
             )
 

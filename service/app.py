@@ -27,7 +27,9 @@ from service.errors import TorchJobsError
 from service.jobs.router import router as jobs_router
 from service.metrics.router import install as install_metrics
 from service.metrics.router import router as metrics_router
+from service.notify import is_redis
 from service.scheduler.loop import Dispatch, SchedulerThread
+from service.scheduler.wakeups import FreedGpuListener
 from service.streams.router import router as streams_router
 from service.users.router import router as users_router
 from service.workers.router import router as workers_router
@@ -51,14 +53,19 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
             db.engine.dialect.name,
             "on" if scheduler else "off",
         )
-        thread = None
+        thread = listener = None
         if scheduler:
             thread = SchedulerThread(db, settings, _celery_dispatcher(settings))
             thread.start()
+            if is_redis(settings.resolved_broker_url):
+                listener = FreedGpuListener(settings.resolved_broker_url, thread.wake)
+                listener.start()
         app.state.scheduler = thread
         try:
             yield
         finally:
+            if listener is not None:
+                listener.stop()
             if thread is not None:
                 thread.stop()
                 thread.join(timeout=5)

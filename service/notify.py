@@ -10,6 +10,10 @@ sessionmaker's `after_commit`. The ids that the committed transaction appended e
 (`session.info["notify_logs"]`, filled by `mark_logs`) go out as one Redis PUBLISH, when the
 broker is Redis. Without Redis nothing is published.
 
+A transaction that gave GPUs back (`mark_freed`) says so in the same message; the scheduler's
+`FreedGpuListener` (service/scheduler/wakeups.py) wakes a pass on it, so a job finishing on a
+worker host starts the next one without waiting for the scheduler's timer.
+
 Receiving, in the API process: one `WakeupHub` holds the open streams' `Watch`es and is fed by
 one source: a `RedisSource` (a single subscriber for the whole process), or on the embedded
 setup a `PollSource` (one shared query every `stream_poll_s` over the jobs being watched).
@@ -38,12 +42,18 @@ log = logging.getLogger("torchjobs.notify")
 
 NOTIFY_EVENTS = "notify_jobs"  # the key `service.jobs.states.append_event` fills
 NOTIFY_LOGS = "notify_logs"
+NOTIFY_FREED = "notify_freed"  # `service.jobs.states.free_gpus` sets it
 QUIET_AFTER_FAILURE_S = 5.0
 
 
 def mark_logs(session: Session, job_id: int) -> None:
     """Say that this transaction wrote log chunks for `job_id` (published after it commits)."""
     session.info.setdefault(NOTIFY_LOGS, set()).add(job_id)
+
+
+def mark_freed(session: Session) -> None:
+    """Say that this transaction gave GPUs back: the scheduler may place the next job."""
+    session.info[NOTIFY_FREED] = True
 
 
 def is_redis(url: str) -> bool:
@@ -59,8 +69,11 @@ def channel_for(redis_url: str) -> str:
     return f"torchjobs:wakeups:{db}"
 
 
-def encode(events: set[int], logs: set[int]) -> str:
-    return json.dumps({"e": sorted(events), "l": sorted(logs)}, separators=(",", ":"))
+def encode(events: set[int], logs: set[int], freed: bool = False) -> str:
+    msg: dict[str, Any] = {"e": sorted(events), "l": sorted(logs)}
+    if freed:
+        msg["f"] = 1
+    return json.dumps(msg, separators=(",", ":"))
 
 
 def decode(raw: bytes | str) -> tuple[list[int], list[int]]:
@@ -69,6 +82,14 @@ def decode(raw: bytes | str) -> tuple[list[int], list[int]]:
         return [int(i) for i in msg.get("e", ())], [int(i) for i in msg.get("l", ())]
     except (ValueError, TypeError, AttributeError):
         return [], []
+
+
+def freed_in(raw: bytes | str) -> bool:
+    """Whether the committed transaction behind this wake-up freed GPUs."""
+    try:
+        return bool(json.loads(raw).get("f"))
+    except (ValueError, TypeError, AttributeError):
+        return False
 
 
 # --- publishing -------------------------------------------------------------------------------
@@ -87,12 +108,12 @@ class RedisPublisher:
         self.channel = channel_for(url)
         self._quiet_until = 0.0
 
-    def publish(self, events: set[int], logs: set[int]) -> None:
+    def publish(self, events: set[int], logs: set[int], freed: bool = False) -> None:
         now = time.monotonic()
         if now < self._quiet_until:
             return
         try:
-            self.client.publish(self.channel, encode(events, logs))
+            self.client.publish(self.channel, encode(events, logs, freed))
         except self._errors as exc:
             self._quiet_until = now + QUIET_AFTER_FAILURE_S
             log.warning("stream wake-up not published (%s); streams re-read on their own timer", exc)
@@ -114,8 +135,9 @@ def install_publisher(factory: sessionmaker[Session], settings: Settings) -> Red
             return  # a SAVEPOINT released: nothing is visible to others until the outer commit
         events = session.info.pop(NOTIFY_EVENTS, None) or set()
         logs = session.info.pop(NOTIFY_LOGS, None) or set()
-        if events or logs:
-            publisher.publish(events, logs)
+        freed = bool(session.info.pop(NOTIFY_FREED, False))
+        if events or logs or freed:
+            publisher.publish(events, logs, freed)
 
     _install_cleanup(factory)
     return publisher
@@ -129,6 +151,7 @@ def _install_cleanup(factory: sessionmaker[Session]) -> None:
         if transaction.parent is None:
             session.info.pop(NOTIFY_EVENTS, None)
             session.info.pop(NOTIFY_LOGS, None)
+            session.info.pop(NOTIFY_FREED, None)
 
 
 # --- receiving --------------------------------------------------------------------------------

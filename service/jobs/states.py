@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from service.errors import Conflict
 from service.models import GpuAllocation, Job, JobAttempt, JobEvent, utcnow
+from service.notify import mark_freed
 
 QUEUED, SCHEDULED, RUNNING = "queued", "scheduled", "running"
 SUCCEEDED, FAILED, CANCELLING, CANCELLED = "succeeded", "failed", "cancelling", "cancelled"
@@ -96,6 +97,7 @@ def transition_job(session: Session, job: Job, new_state: str, reason: str | Non
 
 def free_gpus(session: Session, job_id: int) -> None:
     session.execute(delete(GpuAllocation).where(GpuAllocation.job_id == job_id))
+    mark_freed(session)
 
 
 def _close_attempt(session: Session, job: Job, reason: str | None) -> None:
