@@ -13,7 +13,14 @@ import torch
 
 from workers.runtime import report
 from workers.runtime.config import Hyperparameters, parse_config
-from workers.runtime.data import EpochBatchSampler, builtin_datasets, digits_tensors, synthetic_tensors
+from workers.runtime.data import (
+    EpochBatchSampler,
+    LoaderOptions,
+    builtin_datasets,
+    digits_tensors,
+    synthetic_tensors,
+    train_loader,
+)
 from workers.runtime.distributed import DistContext, StopAgreement
 from workers.runtime.env import RuntimeEnv, runtime_env
 from workers.runtime.errors import ConfigError
@@ -276,3 +283,21 @@ def test_optimizer_state_that_does_not_fit_is_skipped_with_a_reason() -> None:
     cnn_opt = make_optimizer(build_cnn(), Hyperparameters())
     assert "not loaded" in load_optimizer_state(cnn_opt, saved, Hyperparameters())
     assert not cnn_opt.state
+
+
+def test_the_batched_loader_gives_the_batches_the_per_sample_loader_gives() -> None:
+    """The trainer gathers in-memory batches in one indexing operation; the tensors must be
+    exactly those of the DataLoader's per-sample fetch and default collate."""
+    train, _ = builtin_datasets("digits", synthetic_size=0)
+
+    def batches(loader_of: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        sampler = EpochBatchSampler(train, batch_size=32, num_replicas=2, rank=1, seed=5)
+        sampler.set_epoch(3)
+        return [tuple(b) for b in loader_of(sampler)]
+
+    opts = LoaderOptions(num_workers=0, pin_memory=False, seed=5)
+    fast = batches(lambda s: train_loader(train, s, opts))
+    plain = batches(lambda s: torch.utils.data.DataLoader(train, batch_sampler=s))
+    assert len(fast) == len(plain) > 0
+    for (fx, fy), (px, py) in zip(fast, plain, strict=True):
+        assert torch.equal(fx, px) and torch.equal(fy, py) and fx.dtype == px.dtype
