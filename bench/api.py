@@ -188,8 +188,10 @@ def bulk_insert(pg_url: str, n: int) -> dict[str, int]:
             conn.execute(text(INSERT_JOBS), {"owner": owner, "n": n})
             conn.execute(text(INSERT_ATTEMPTS))
             conn.execute(text(INSERT_NODES))
-        with engine.connect() as conn:
-            conn.execute(text("COMMIT"))
+        # ANALYZE in autocommit: inside a transaction that is never committed its statistics
+        # are rolled back, and the planner (autovacuum may be off) then guesses 500 rows per
+        # job id and runs parallel scans that a production database would never pick.
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             for table in ("jobs", "job_attempts", "node_runs"):
                 conn.execute(text(f"ANALYZE {table}"))
             lo, hi, count = conn.execute(text("SELECT min(id), max(id), count(*) FROM jobs")).one()

@@ -5,8 +5,11 @@ worker processes, so it runs in WAL mode with a busy timeout, and every transact
 ``BEGIN IMMEDIATE``: writers queue up instead of failing half-way with "database is locked".
 On PostgreSQL transactions are ordinary; row locks serialise what must be serialised.
 
-Reads that never write (the open streams' short look-ups) go through `read()`: on SQLite those
-begin DEFERRED, so two hundred streams re-reading do not queue behind the writers' lock.
+Reads that never write (the open streams' short look-ups, GET requests) go through `read()` or
+`read_sessionmaker`: on SQLite those begin DEFERRED, so two hundred streams re-reading do not
+queue behind the writers' lock; on PostgreSQL they run in autocommit, which saves the BEGIN and
+COMMIT round trips and sees exactly what a READ COMMITTED transaction would (each statement
+takes its own snapshot either way).
 
 Every session made here publishes, after it commits, which jobs got new events or log chunks
 (`service.notify`): that is how open streams in the API process learn to read again.
@@ -65,10 +68,14 @@ class Database:
         self.settings = settings
         self.engine = make_engine(settings)
         self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False)
-        self.read_sessionmaker = sessionmaker(
-            self.engine.execution_options(**{READ_ONLY_OPTION: True}), expire_on_commit=False
-        )
+        self.read_sessionmaker = sessionmaker(self._read_engine(), expire_on_commit=False)
         self.publisher = install_publisher(self.sessionmaker, settings)
+
+    def _read_engine(self) -> Engine:
+        options: dict[str, object] = {READ_ONLY_OPTION: True}
+        if self.engine.dialect.name == "postgresql":
+            options["isolation_level"] = "AUTOCOMMIT"
+        return self.engine.execution_options(**options)
 
     @property
     def is_postgres(self) -> bool:

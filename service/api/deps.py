@@ -1,14 +1,21 @@
 """Request-scoped dependencies: the session (one transaction per request), the caller, and
-the "get it, or 404 if it is not yours" lookup that every job route shares."""
+the "get it, or 404 if it is not yours" lookup that every job route shares.
+
+FastAPI runs every plain `def` dependency in the thread pool, one hop each. Those that do no
+I/O are `async def` here, and the session opens on the event loop (it connects lazily, at the
+first query) and ends in one hop: a GET pays for its queries, not for thread handoffs.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from typing import Annotated
 
+import anyio
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from service.auth.tokens import user_for_token
 from service.config import Settings
@@ -19,20 +26,42 @@ from service.models import Job, User
 from service.schemas import MAX_ID
 
 bearer = HTTPBearer(auto_error=False, description="torchjobs bearer token")
+# HTTP's safe methods: their routes only read, so their session is a read-only one
+# (`Database.read_sessionmaker`: no write lock on SQLite, no BEGIN/COMMIT on PostgreSQL).
+READ_METHODS = frozenset({"GET", "HEAD"})
+JobIdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
 
 
-def get_db(request: Request) -> Database:
+async def get_db(request: Request) -> Database:
     return request.app.state.db
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_session(db: Annotated[Database, Depends(get_db)]) -> Iterator[Session]:
+async def get_session(request: Request, db: Annotated[Database, Depends(get_db)]) -> AsyncIterator[Session]:
     """Commits when the handler returns, rolls back when it raises; nothing else commits."""
-    with db.sessionmaker() as session, session.begin():
+    factory = db.read_sessionmaker if request.method in READ_METHODS else db.sessionmaker
+    session = factory()
+    committed = False
+    try:
         yield session
+        committed = True
+    finally:
+        # Shielded: a client that goes away mid-request must not leave the connection checked out.
+        with anyio.CancelScope(shield=True):
+            await run_in_threadpool(_end_session, session, committed)
+
+
+def _end_session(session: Session, commit: bool) -> None:
+    try:
+        if commit:
+            session.commit()
+        else:
+            session.rollback()
+    finally:
+        session.close()
 
 
 def current_user(
@@ -47,7 +76,7 @@ def current_user(
     return user
 
 
-def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
+async def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
     if not user.is_admin:
         raise Forbidden("admin only")
     return user
@@ -56,7 +85,7 @@ def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
 def caller_job(
     session: Annotated[Session, Depends(get_session, scope="function")],
     user: Annotated[User, Depends(current_user)],
-    job_id: Annotated[int, Path(ge=1, le=MAX_ID)],
+    job_id: JobIdPath,
 ) -> Job:
     return jobs_service.get_job(session, user, job_id)
 

@@ -4,7 +4,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
 
-from service.api.deps import JobDep, SessionDep, SettingsDep, UserDep
+from service.api.deps import JobDep, JobIdPath, SessionDep, SettingsDep, UserDep
 from service.jobs import service
 from service.jobs.schemas import EventList, JobList, JobOut, MetricsOut
 from service.jobs.spec import JobSpec
@@ -42,7 +42,7 @@ def submit_job(
         background.add_task(wake_scheduler, request)  # runs after the commit and the response
     if not created:
         response.status_code = 200
-    return service.job_views(session, [job])[0]
+    return service.job_views(session, [job], viewer=user)[0]
 
 
 @router.get("", response_model=JobList)
@@ -57,14 +57,15 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobOut)
-def get_job(job: JobDep, session: SessionDep) -> JobOut:
-    return service.job_views(session, [job])[0]
+def get_job(job_id: JobIdPath, session: SessionDep, user: UserDep) -> JobOut:
+    """The lookup is here, not in `JobDep`: one thread-pool hop fewer on the busiest route."""
+    return service.job_view(session, user, job_id)
 
 
 @router.post("/{job_id}/cancel", status_code=202, response_model=JobOut)
 def cancel_job(job: JobDep, session: SessionDep, user: UserDep) -> JobOut:
     job = service.cancel_job(session, user, job.id)
-    return service.job_views(session, [job])[0]
+    return service.job_views(session, [job], viewer=user)[0]
 
 
 @router.get("/{job_id}/events", response_model=EventList)

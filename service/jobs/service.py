@@ -63,17 +63,21 @@ def submit_job(
         idempotency_key=idempotency_key,
         pending_reason="waiting for the scheduler",
     )
-    try:
-        with session.begin_nested():
-            session.add(job)
-            session.flush()
-    except IntegrityError:
-        if idempotency_key is None:
-            raise
-        existing = repo.get_by_idempotency_key(session, user.id, idempotency_key)
-        if existing is None:
-            raise
-        return existing, False
+    if idempotency_key is None:
+        session.add(job)
+        session.flush()
+    else:
+        try:
+            # A SAVEPOINT (two round trips) only where a duplicate key is a normal outcome: a
+            # concurrent request with the same key won the race, and its job is the answer.
+            with session.begin_nested():
+                session.add(job)
+                session.flush()
+        except IntegrityError:
+            existing = repo.get_by_idempotency_key(session, user.id, idempotency_key)
+            if existing is None:
+                raise
+            return existing, False
     from service.jobs.states import append_event
 
     append_event(session, job.id, "state", {"state": QUEUED, "reason": "submitted"})
@@ -95,6 +99,10 @@ def get_job(session: Session, user: User, job_id: int) -> Job:
     return job
 
 
+def job_view(session: Session, user: User, job_id: int) -> JobOut:
+    return job_views(session, [get_job(session, user, job_id)], viewer=user)[0]
+
+
 def list_jobs(session: Session, user: User, state: str | None, limit: int, cursor: str | None) -> JobList:
     if state is not None and state not in ALL_STATES:
         raise InvalidSpec(("state",), f"unknown state; one of {', '.join(ALL_STATES)}")
@@ -102,7 +110,7 @@ def list_jobs(session: Session, user: User, state: str | None, limit: int, curso
     jobs = repo.list_jobs(session, None if user.is_admin else user.id, state, limit + 1, before)
     page = list(jobs[:limit])
     next_cursor = str(page[-1].id) if len(jobs) > limit and page else None
-    return JobList(items=job_views(session, page), next_cursor=next_cursor)
+    return JobList(items=job_views(session, page, viewer=user), next_cursor=next_cursor)
 
 
 def _parse_cursor(cursor: str | None) -> int | None:
@@ -156,14 +164,18 @@ def progress_of(job: Job) -> Progress:
     return Progress(**{k: data.get(k) for k in PROGRESS_FIELDS}, fraction=fraction)
 
 
-def job_views(session: Session, jobs: Sequence[Job]) -> list[JobOut]:
-    """Assemble Job responses with one query per related table, not one per job."""
+def job_views(session: Session, jobs: Sequence[Job], viewer: User | None = None) -> list[JobOut]:
+    """Assemble Job responses with one query per related table, not one per job.
+
+    Tables whose answer is known are not asked: the owner's name when every job is the
+    viewer's own, node runs when every job is queued (a queued job shows no assignments)."""
     if not jobs:
         return []
     ids = {j.id for j in jobs}
-    owners = repo.owner_names(session, {j.owner_id for j in jobs})
+    owners = _owner_names(session, jobs, viewer)
     runs: dict[int, list[Assignment]] = {}
-    for run in repo.node_runs_for(session, {(j.id, j.attempt) for j in jobs}):
+    placed = {(j.id, j.attempt) for j in jobs if j.state != QUEUED}
+    for run in repo.node_runs_for(session, placed):
         runs.setdefault(run.job_id, []).append(
             Assignment(node_rank=run.node_rank, worker=run.worker_name, gpus=list(run.gpus))
         )
@@ -189,7 +201,7 @@ def job_views(session: Session, jobs: Sequence[Job]) -> list[JobOut]:
             priority=j.priority,
             labels=j.labels or {},
             progress=progress_of(j),
-            assignments=runs.get(j.id, []) if j.state not in (QUEUED,) else [],
+            assignments=runs.get(j.id, []),
             latest_checkpoint=checkpoint_out(latest[j.id]) if j.id in latest else None,
             error=j.error,
             exit_code=j.exit_code,
@@ -202,3 +214,10 @@ def job_views(session: Session, jobs: Sequence[Job]) -> list[JobOut]:
         )
         for j in jobs
     ]
+
+
+def _owner_names(session: Session, jobs: Sequence[Job], viewer: User | None) -> dict[int, str]:
+    owner_ids = {j.owner_id for j in jobs}
+    if viewer is not None and owner_ids == {viewer.id}:
+        return {viewer.id: viewer.name}
+    return repo.owner_names(session, owner_ids)

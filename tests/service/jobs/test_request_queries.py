@@ -1,0 +1,132 @@
+"""The job routes' SQL per request: a fixed handful, whatever the page size, and no transaction
+round trips for a read on PostgreSQL (service.db `read_sessionmaker` runs in autocommit)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import event
+
+from service.app import create_app
+from service.config import Settings
+from service.migrate import upgrade
+from service.models import Job, JobAttempt, NodeRun, User
+
+TOKEN = "tj_request_queries_token_0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+SPEC = {
+    "name": "q",
+    "mode": "single",
+    "gpus_per_node": 1,
+    "entrypoint": {"kind": "builtin", "model": "cnn", "dataset": "digits"},
+}
+
+
+class Statements:
+    """Every statement the app's engine sends, BEGIN and COMMIT included when the driver sends them."""
+
+    def __init__(self) -> None:
+        self.sql: list[str] = []
+
+    def clear(self) -> None:
+        self.sql.clear()
+
+    def count(self, prefix: str) -> int:
+        return sum(1 for s in self.sql if s.lstrip().upper().startswith(prefix))
+
+
+@pytest.fixture
+def client(pg_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Statements]]:
+    settings = Settings(home=tmp_path, database_url=pg_url, broker_url="filesystem://", admin_token=TOKEN)
+    upgrade(settings)
+    app = create_app(settings, scheduler=False)
+    seen = Statements()
+    with TestClient(app) as c:
+        engine = app.state.db.engine
+
+        @event.listens_for(engine, "before_cursor_execute")
+        def _statement(_conn, _cursor, statement, _params, _context, _many) -> None:  # type: ignore[no-untyped-def]
+            seen.sql.append(statement)
+
+        # psycopg sends BEGIN and COMMIT itself, except on a connection in autocommit
+        @event.listens_for(engine, "begin")
+        def _begin(conn) -> None:  # type: ignore[no-untyped-def]
+            if not conn.connection.dbapi_connection.autocommit:
+                seen.sql.append("BEGIN")
+
+        @event.listens_for(engine, "commit")
+        def _commit(conn) -> None:  # type: ignore[no-untyped-def]
+            if not conn.connection.dbapi_connection.autocommit:
+                seen.sql.append("COMMIT")
+
+        yield c, seen
+
+
+def _finished_jobs(client: TestClient, n: int) -> list[int]:
+    """`n` succeeded jobs of the admin, each with its attempt and node run."""
+    db = client.app.state.db  # type: ignore[attr-defined]
+    ids = []
+    with db.transaction() as session:
+        admin = session.query(User).filter_by(name="admin").one()
+        for i in range(n):
+            job = Job(
+                owner_id=admin.id,
+                name=f"done-{i}",
+                state="succeeded",
+                mode="single",
+                nodes=1,
+                gpus_per_node=1,
+                entrypoint={"kind": "builtin", "model": "cnn", "dataset": "digits"},
+                attempt=1,
+            )
+            session.add(job)
+            session.flush()
+            session.add(JobAttempt(job_id=job.id, attempt=1, exit_code=0, reason="succeeded"))
+            session.add(
+                NodeRun(job_id=job.id, attempt=1, node_rank=0, worker_name="w", gpus=[0], address="a")
+            )
+            ids.append(job.id)
+    return ids
+
+
+def test_get_job_is_five_reads_and_no_transaction(client: tuple[TestClient, Statements]) -> None:
+    c, seen = client
+    [job_id] = _finished_jobs(c, 1)
+    seen.clear()
+    body = c.get(f"/v1/jobs/{job_id}", headers=AUTH).json()
+    # caller, job, node runs, attempts, latest checkpoint; the owner's name is the caller's
+    assert len(seen.sql) == 5, seen.sql
+    assert seen.count("BEGIN") == seen.count("COMMIT") == 0
+    assert body["owner"] == "admin"
+    assert body["assignments"] == [{"node_rank": 0, "worker": "w", "gpus": [0]}]
+    assert [a["attempt"] for a in body["attempts"]] == [1]
+
+
+def test_list_costs_the_same_statements_for_any_page_size(client: tuple[TestClient, Statements]) -> None:
+    c, seen = client
+    _finished_jobs(c, 30)
+    counts = []
+    for limit in (2, 30):
+        seen.clear()
+        page = c.get("/v1/jobs", params={"limit": limit}, headers=AUTH).json()
+        assert len(page["items"]) == limit
+        assert all(item["assignments"] for item in page["items"])
+        counts.append(len(seen.sql))
+    assert counts[0] == counts[1] <= 5, counts
+
+
+def test_submit_takes_no_savepoint_without_an_idempotency_key(client: tuple[TestClient, Statements]) -> None:
+    c, seen = client
+    seen.clear()
+    first = c.post("/v1/jobs", json=SPEC, headers=AUTH)
+    assert first.status_code == 201
+    assert seen.count("SAVEPOINT") == 0
+    assert seen.count("BEGIN") == seen.count("COMMIT") == 1
+    keyed = {**AUTH, "Idempotency-Key": "k1"}
+    again = [c.post("/v1/jobs", json=SPEC, headers=keyed) for _ in range(2)]
+    assert [r.status_code for r in again] == [201, 200]
+    assert again[0].json()["id"] == again[1].json()["id"] != first.json()["id"]
+    assert c.get(f"/v1/jobs/{first.json()['id']}", headers=AUTH).json()["state"] == "queued"
