@@ -69,9 +69,13 @@ def _no_buffer_broadcast() -> dict[str, bool]:
 
 
 def make_optimizer(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
+    """The multi-tensor (`foreach`) implementation everywhere: torch picks it by default only on
+    CUDA, and on CPU it is also faster (AdamW on the builtin cnn: 192 against 240 us a step)."""
     if hp.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=hp.lr, momentum=0.9, weight_decay=hp.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        return torch.optim.SGD(
+            model.parameters(), lr=hp.lr, momentum=0.9, weight_decay=hp.weight_decay, foreach=True
+        )
+    return torch.optim.AdamW(model.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, foreach=True)
 
 
 def load_optimizer_state(
