@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 with one_slot_embedded(scratch / "embedded") as stack:
                     gaps, label = freed_gpu_bench(stack, args.chain), "embedded"
-                note = "no Redis: the scheduler's 1 s timer"
+                note = "no Redis: the signal file under TORCHJOBS_HOME, watched every 50 ms"
             print(f"{label}: freed GPU -> next scheduled {[round(g, 3) for g in gaps]}", file=sys.stderr)
             figs.append(
                 figure(

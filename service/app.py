@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,9 +27,9 @@ from service.errors import TorchJobsError
 from service.jobs.router import router as jobs_router
 from service.metrics.router import install as install_metrics
 from service.metrics.router import router as metrics_router
-from service.notify import is_redis
+from service.notify import freed_signal_path, is_redis
 from service.scheduler.loop import Dispatch, SchedulerThread
-from service.scheduler.wakeups import FreedGpuListener
+from service.scheduler.wakeups import FreedGpuFileWatcher, FreedGpuListener
 from service.streams.router import router as streams_router
 from service.users.router import router as users_router
 from service.workers.router import router as workers_router
@@ -57,9 +57,8 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         if scheduler:
             thread = SchedulerThread(db, settings, _celery_dispatcher(settings))
             thread.start()
-            if is_redis(settings.resolved_broker_url):
-                listener = FreedGpuListener(settings.resolved_broker_url, thread.wake)
-                listener.start()
+            listener = _freed_gpu_wakeups(settings, thread.wake)
+            listener.start()
         app.state.scheduler = thread
         try:
             yield
@@ -127,6 +126,16 @@ def _document_streams(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _freed_gpu_wakeups(
+    settings: Settings, wake: Callable[[], None]
+) -> FreedGpuListener | FreedGpuFileWatcher:
+    """Redis pub/sub in production; the signal file under TORCHJOBS_HOME on the embedded setup."""
+    url = settings.resolved_broker_url
+    if is_redis(url):
+        return FreedGpuListener(url, wake)
+    return FreedGpuFileWatcher(freed_signal_path(settings), wake)
 
 
 def _celery_dispatcher(settings: Settings):  # type: ignore[no-untyped-def]

@@ -12,7 +12,8 @@ broker is Redis. Without Redis nothing is published.
 
 A transaction that gave GPUs back (`mark_freed`) says so in the same message; the scheduler's
 `FreedGpuListener` (service/scheduler/wakeups.py) wakes a pass on it, so a job finishing on a
-worker host starts the next one without waiting for the scheduler's timer.
+worker host starts the next one without waiting for the scheduler's timer. Without Redis the
+same commit appends a byte to `freed_signal_path()`, which `FreedGpuFileWatcher` watches.
 
 Receiving, in the API process: one `WakeupHub` holds the open streams' `Watch`es and is fed by
 one source: a `RedisSource` (a single subscriber for the whole process), or on the embedded
@@ -30,6 +31,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
@@ -44,6 +46,7 @@ NOTIFY_EVENTS = "notify_jobs"  # the key `service.jobs.states.append_event` fill
 NOTIFY_LOGS = "notify_logs"
 NOTIFY_FREED = "notify_freed"  # `service.jobs.states.free_gpus` sets it
 QUIET_AFTER_FAILURE_S = 5.0
+FREED_SIGNAL_MAX_BYTES = 4096
 
 
 def mark_logs(session: Session, job_id: int) -> None:
@@ -123,8 +126,27 @@ class RedisPublisher:
             self.client.close()
 
 
+def freed_signal_path(settings: Settings) -> Path:
+    """Without Redis (the embedded setup: one machine, one TORCHJOBS_HOME) a commit that freed
+    GPUs appends a byte to this file, and the scheduler watches its size and time."""
+    return settings.home / "wakeups" / "gpus-freed"
+
+
+def signal_freed(path: Path) -> None:
+    """Append one byte (truncating now and then): every signal changes the file's size, even
+    two within one tick of the file system's clock."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as f:
+            if f.tell() >= FREED_SIGNAL_MAX_BYTES:
+                f.truncate(0)
+            else:
+                f.write(b".")
+
+
 def install_publisher(factory: sessionmaker[Session], settings: Settings) -> RedisPublisher | None:
     if not is_redis(settings.resolved_broker_url):
+        _install_freed_file(factory, freed_signal_path(settings))
         _install_cleanup(factory)
         return None
     publisher = RedisPublisher(settings.resolved_broker_url)
@@ -141,6 +163,15 @@ def install_publisher(factory: sessionmaker[Session], settings: Settings) -> Red
 
     _install_cleanup(factory)
     return publisher
+
+
+def _install_freed_file(factory: sessionmaker[Session], path: Path) -> None:
+    @event.listens_for(factory, "after_commit")
+    def _after_commit(session: Session) -> None:
+        if session.in_nested_transaction():
+            return
+        if session.info.pop(NOTIFY_FREED, False):
+            signal_freed(path)
 
 
 def _install_cleanup(factory: sessionmaker[Session]) -> None:

@@ -5,14 +5,17 @@ the API's scheduler would notice only on its next timer tick (`scheduler_interva
 Redis as the broker every commit that freed GPUs publishes a wake-up carrying `"f"` (see
 service/notify.py); this thread subscribes to it and wakes the scheduler at once. A lost
 message costs one timer tick, never a placement: the pass reads the database, as always.
-The embedded setup has no Redis and keeps the timer.
+The embedded setup has no Redis: there the same commit appends a byte to a file under
+TORCHJOBS_HOME, and `FreedGpuFileWatcher` stats it every 50 ms (a stat, no query).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from service.notify import channel_for, freed_in
@@ -61,3 +64,28 @@ class FreedGpuListener(threading.Thread):
             msg = pubsub.get_message(timeout=1.0)
             if msg is not None and msg.get("type") == "message" and freed_in(msg["data"]):
                 self.wake()
+
+
+class FreedGpuFileWatcher(threading.Thread):
+    def __init__(self, path: Path, wake: Callable[[], None], poll_s: float = 0.05) -> None:
+        super().__init__(name="torchjobs-freed-gpus", daemon=True)
+        self.path, self.wake, self.poll_s = path, wake, poll_s
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def run(self) -> None:
+        last = self._stamp()
+        while not self._stopping.wait(self.poll_s):
+            stamp = self._stamp()
+            if stamp != last:
+                last = stamp
+                self.wake()
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_ino, st.st_size, st.st_mtime_ns

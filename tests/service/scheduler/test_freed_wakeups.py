@@ -13,8 +13,15 @@ from sqlalchemy.orm import sessionmaker
 from service.config import Settings
 from service.jobs.states import free_gpus
 from service.models.base import Base
-from service.notify import encode, freed_in, install_publisher
-from service.scheduler.wakeups import FreedGpuListener
+from service.notify import (
+    FREED_SIGNAL_MAX_BYTES,
+    encode,
+    freed_in,
+    freed_signal_path,
+    install_publisher,
+    signal_freed,
+)
+from service.scheduler.wakeups import FreedGpuFileWatcher, FreedGpuListener
 
 
 class Wakes:
@@ -34,6 +41,12 @@ class Wakes:
             return self.changed.wait_for(lambda: self.count > count, timeout)
 
 
+def _sqlite_factory(tmp_path: Path) -> sessionmaker:  # type: ignore[type-arg]
+    engine = create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    Base.metadata.create_all(engine)
+    return sessionmaker(engine)
+
+
 def test_the_message_says_whether_gpus_were_freed() -> None:
     assert freed_in(encode({1}, set(), freed=True))
     assert not freed_in(encode({1}, {2}))
@@ -41,9 +54,7 @@ def test_the_message_says_whether_gpus_were_freed() -> None:
 
 
 def test_a_commit_that_frees_gpus_wakes_the_scheduler_others_do_not(tmp_path: Path, redis_url: str) -> None:
-    engine = create_engine(f"sqlite:///{tmp_path / 'db.sqlite'}")
-    Base.metadata.create_all(engine)
-    factory = sessionmaker(engine)
+    factory = _sqlite_factory(tmp_path)
     publisher = install_publisher(factory, Settings(home=tmp_path, broker_url=redis_url))
     assert publisher is not None
     wakes = Wakes()
@@ -67,3 +78,39 @@ def test_a_commit_that_frees_gpus_wakes_the_scheduler_others_do_not(tmp_path: Pa
         listener.join(timeout=5)
         publisher.close()
     assert not listener.is_alive()
+
+
+def test_without_redis_the_signal_file_wakes_the_scheduler(tmp_path: Path) -> None:
+    """The embedded setup: worker and API share TORCHJOBS_HOME, not a broker server."""
+    settings = Settings(home=tmp_path, broker_url=None)
+    factory = _sqlite_factory(tmp_path)
+    assert install_publisher(factory, settings) is None
+    wakes = Wakes()
+    watcher = FreedGpuFileWatcher(freed_signal_path(settings), wakes, poll_s=0.01)
+    watcher.start()
+    try:
+        with factory() as session, session.begin():
+            session.execute(text("select 1"))
+        time.sleep(0.3)
+        assert wakes.count == 0 and not freed_signal_path(settings).exists()
+
+        for expected in range(1, 4):
+            with factory() as session, session.begin():
+                free_gpus(session, job_id=expected)
+            assert wakes.wait_beyond(expected - 1, 5)
+            time.sleep(0.05)
+        assert freed_signal_path(settings).stat().st_size <= FREED_SIGNAL_MAX_BYTES
+    finally:
+        watcher.stop()
+        watcher.join(timeout=5)
+    assert not watcher.is_alive()
+
+
+def test_every_signal_changes_the_file_size_and_it_stays_small(tmp_path: Path) -> None:
+    path = tmp_path / "wakeups" / "gpus-freed"
+    sizes = []
+    for _ in range(FREED_SIGNAL_MAX_BYTES + 3):
+        signal_freed(path)
+        sizes.append(path.stat().st_size)
+    assert all(a != b for a, b in zip(sizes, sizes[1:], strict=False))
+    assert max(sizes) == FREED_SIGNAL_MAX_BYTES and 0 in sizes
