@@ -37,6 +37,7 @@ class Settings(BaseSettings):
     cancel_grace_s: float = 10.0
     rendezvous_timeout_s: float = 120.0
     preflight_timeout_s: float = Field(60.0, gt=0)
+    warm_agent: bool = True  # keep one torchrun agent waiting with torch imported
     redispatch_after_s: float = 10.0
     cache_max_bytes: int = 20 * 1024**3
     master_port_base: int = 29400

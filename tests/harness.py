@@ -222,7 +222,9 @@ def production_stack(
 
 
 def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
-    """Every process on this machine whose environment names the job (ranks, agents, loaders).
+    """Every process on this machine whose environment names the job (ranks, agents, loaders),
+    and warm torchrun agents working in one of the job's run folders (a warm agent took its
+    launch's environment after it started, so /proc shows it the one it started with).
 
     With `home`, only those of the stack living there: job ids repeat across test stacks.
     """
@@ -237,9 +239,21 @@ def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
                 env = fh.read().split(b"\0")
         except OSError:
             continue
-        if needle in env and (not where or any(v.startswith(where) for v in env)):
+        if (needle in env and (not where or any(v.startswith(where) for v in env))) or _warm_agent_of(
+            entry, job_id, home
+        ):
             found.append(int(entry))
     return found
+
+
+def _warm_agent_of(pid: str, job_id: int, home: Path | None) -> bool:
+    try:
+        if b"workers.launcher.warm_agent" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    return f"/job-{job_id}/" in cwd + "/" and (home is None or cwd.startswith(str(home)))
 
 
 def kill_job_processes(job_id: int, home: Path | None = None) -> None:

@@ -9,6 +9,7 @@ checkpoint) and reported as lost, so their jobs retry where retries are allowed.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import threading
@@ -26,7 +27,7 @@ from workers import context
 from workers.celery_app import make_celery, queue_for
 from workers.context import WorkerContext
 from workers.launcher.procs import kill_under
-from workers.launcher.supervisor import remove_run_dir
+from workers.launcher.supervisor import remove_run_dir, warm_agents
 from workers.tasks import register_tasks
 
 log = logging.getLogger("torchjobs.worker")
@@ -86,6 +87,12 @@ class Heartbeat(threading.Thread):
                 log.exception("heartbeat failed; will retry")
 
 
+def _agent_env() -> dict[str, str]:
+    """The waiting agent's own environment until a launch gives it the ranks': the worker's,
+    without its configuration (database URL, tokens)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("TORCHJOBS_")}
+
+
 def run_worker(
     settings: Settings, *, name: str, gpus: int | None, accelerator: str, address: str | None
 ) -> None:
@@ -101,6 +108,7 @@ def run_worker(
         accelerator=kind,
         gpus=gpus if gpus is not None else detected,
     )
+    ctx.agents = warm_agents(_agent_env(), enabled=settings.warm_agent)
     context.set_current(ctx)
     remove_stale_runs(ctx.run_root)
     register(ctx)
@@ -140,6 +148,8 @@ def run_worker(
     finally:
         ctx.shutdown.set()
         beat.stopped.set()
+        if ctx.agents is not None:
+            ctx.agents.close()
         with db.transaction() as session:
             workers_repo.mark_offline(session, name, ctx.session_id)
         db.dispose()

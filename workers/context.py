@@ -9,6 +9,7 @@ from pathlib import Path
 from service.config import Settings
 from service.db import Database
 from service.storage import Storage
+from workers.launcher.warm_pool import WarmAgentPool
 
 
 @dataclass(kw_only=True)
@@ -22,6 +23,7 @@ class WorkerContext:
     accelerator: str
     gpus: int
     shutdown: threading.Event = field(default_factory=threading.Event)
+    agents: WarmAgentPool | None = None  # the warm torchrun agent, when the worker keeps one
 
     @property
     def run_root(self) -> Path:

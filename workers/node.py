@@ -55,6 +55,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             grace_s=ctx.settings.cancel_grace_s,
             shutdown=ctx.shutdown,
             host=f"worker {ctx.name} ({ctx.address})",
+            agents=ctx.agents,
         )
         outcome = supervisor.run()
     except InvalidSpec as exc:

@@ -84,6 +84,11 @@ def test_cancel_queued_job_is_immediate_and_finished_job_is_409(stack: Stack) ->
         assert c.post(f"/v1/jobs/{fail['id']}/cancel").status_code == 409
 
 
+def is_agent(pid: int) -> bool:
+    """A torchrun agent, started cold or handed the launch while warm (workers/launcher/warm_agent.py)."""
+    return any(m in cmdline(pid) for m in (b"torch.distributed.run", b"workers.launcher.warm_agent"))
+
+
 def cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -111,7 +116,7 @@ def test_killed_worker_job_retries_from_checkpoint_to_identical_weights(stack: S
     wait_event(stack, job["id"], lambda e: e["type"] == "checkpoint")
     # The worst case: the worker and its torchrun agent die at once (SIGKILL), so nobody
     # tells the ranks, which torchrun runs in sessions of their own: they are orphans now.
-    agents = [p for p in pids_of_job(job["id"], stack.home) if b"torch.distributed.run" in cmdline(p)]
+    agents = [p for p in pids_of_job(job["id"], stack.home) if is_agent(p)]
     stack.kill("worker-w1")
     for pid in agents:
         os.kill(pid, signal.SIGKILL)
@@ -178,7 +183,7 @@ def test_same_message_twice_does_not_start_a_second_copy(stack: Stack) -> None:
     wait_for(
         lambda: stack.logs_of("worker-w1").count("nothing to do") >= 2 or None, 30, "both repeats handled"
     )
-    agents = [p for p in pids_of_job(job["id"], stack.home) if b"torch.distributed.run" in cmdline(p)]
+    agents = [p for p in pids_of_job(job["id"], stack.home) if is_agent(p)]
     assert len(agents) == 1
     with stack.client() as c:
         running = c.get(f"/v1/jobs/{job['id']}").json()

@@ -14,24 +14,42 @@ import os
 import signal
 
 ENV_KEY = b"TORCHJOBS_CHECKPOINT_DIR="
+WARM_AGENT_MARKER = b"workers.launcher.warm_agent"
 
 
 def pids_under(run_prefix: str) -> list[int]:
-    """Processes whose TORCHJOBS_CHECKPOINT_DIR lies under `run_prefix` (never this process)."""
+    """Processes whose TORCHJOBS_CHECKPOINT_DIR lies under `run_prefix` (never this process),
+    and warm torchrun agents working in a folder under it (a warm agent took the launch's
+    environment after it started, so /proc shows it its old one; its folder is the launch's)."""
     needle = ENV_KEY + run_prefix.encode()
     me = os.getpid()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = fh.read()
-        except OSError:
-            continue
-        if any(var.startswith(needle) for var in env.split(b"\0")):
+        if _has_env(entry, needle) or _is_warm_agent_under(entry, run_prefix):
             found.append(int(entry))
     return found
+
+
+def _has_env(pid: str, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = fh.read()
+    except OSError:
+        return False
+    return any(var.startswith(needle) for var in env.split(b"\0"))
+
+
+def _is_warm_agent_under(pid: str, run_prefix: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            if WARM_AGENT_MARKER not in fh.read():
+                return False
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return False
+    return (cwd + "/").startswith(run_prefix)
 
 
 def signal_all(pids: list[int], sig: signal.Signals) -> None:

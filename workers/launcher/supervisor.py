@@ -28,6 +28,7 @@ from workers.launcher.command import LaunchPlan, config_json, processes_per_node
 from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, RankLogs, epoch_from_name
 from workers.launcher.procs import kill_under, pids_under, signal_all
+from workers.launcher.warm_pool import WarmAgentPool
 from workers.reporter import Batch, NodeKey
 
 log = logging.getLogger("torchjobs.worker")
@@ -61,8 +62,11 @@ class NodeSupervisor:
         grace_s: float,
         shutdown: threading.Event,
         host: str = "",
+        agents: WarmAgentPool | None = None,
     ) -> None:
         self.key, self.plan, self.hooks, self.grace_s, self.shutdown = key, plan, hooks, grace_s, shutdown
+        # torchrun's agent: a warm one from the worker's pool, or started cold
+        self.agents = agents or cold_agents()
         self.host = host  # "worker NAME (ADDRESS)", so a failure names the machine it happened on
         paths = plan.paths
         nproc = processes_per_node(mode, gpus)
@@ -85,21 +89,13 @@ class NodeSupervisor:
 
     def run(self) -> NodeOutcome:
         self.prepare()
-        with open(self.plan.paths.agent_log, "wb") as agent_out:
-            proc = subprocess.Popen(
-                self.plan.argv,
-                env=self.plan.env,
-                cwd=self.plan.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=agent_out,
-                stderr=subprocess.STDOUT,
-                preexec_fn=_new_group_dying_with_worker,
-            )
-            try:
-                rc = self._watch(proc)
-            finally:
-                _kill_group(proc.pid, signal.SIGKILL)
-                kill_under(str(self.plan.paths.run_dir) + "/")  # ranks live in sessions of their own
+        plan = self.plan
+        proc = self.agents.start(plan.argv, plan.env, plan.cwd, plan.paths.agent_log)
+        try:
+            rc = self._watch(proc)
+        finally:
+            _kill_group(proc.pid, signal.SIGKILL)
+            kill_under(str(self.plan.paths.run_dir) + "/")  # ranks live in sessions of their own
         self._ingest(final=True)
         return self._outcome(rc)
 
@@ -247,6 +243,16 @@ def remove_run_dir(run_dir: Path) -> None:
     if link.is_symlink():
         shutil.rmtree(os.readlink(link), ignore_errors=True)
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def cold_agents() -> WarmAgentPool:
+    """Every launch a fresh `python -m torch.distributed.run` (unit tests, warm agents off)."""
+    return WarmAgentPool(_new_group_dying_with_worker, {}, enabled=False)
+
+
+def warm_agents(base_env: dict[str, str], enabled: bool) -> WarmAgentPool:
+    """The worker's pool: one agent kept waiting with torch imported (warm_agent.py)."""
+    return WarmAgentPool(_new_group_dying_with_worker, base_env, enabled=enabled).begin()
 
 
 def _new_group_dying_with_worker() -> None:

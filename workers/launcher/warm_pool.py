@@ -1,0 +1,137 @@
+"""One warm torchrun agent kept ready per worker (see warm_agent.py).
+
+`start()` hands a launch to the waiting agent when there is one, alive, for the same
+interpreter, and asks a long-lived spawner thread for the next; otherwise (two launches at
+once, the spare died, warm agents turned off) it starts `python -m torch.distributed.run`
+cold, as before. Either way the caller gets a `subprocess.Popen` whose process leads its own
+process group and gets SIGTERM if the worker dies, so supervision, stops and clean-up are the
+same for both. The spawner thread lives as long as the worker: PR_SET_PDEATHSIG fires when
+the thread that started a process ends, so a warm agent gets its SIGTERM exactly when the
+worker goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+log = logging.getLogger("torchjobs.worker")
+
+TORCHRUN = ("-m", "torch.distributed.run")
+
+
+class WarmAgentPool:
+    def __init__(
+        self, preexec: Callable[[], None], base_env: Mapping[str, str], enabled: bool = True
+    ) -> None:
+        self.preexec, self.base_env, self.enabled = preexec, dict(base_env), enabled
+        self.python = sys.executable
+        self._spare: subprocess.Popen[bytes] | None = None
+        self._lock = threading.Lock()
+        self._wanted = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._spawn_loop, name="torchjobs-warm-agents", daemon=True)
+        self.warm_starts = self.cold_starts = 0
+
+    def begin(self) -> WarmAgentPool:
+        if self.enabled:
+            self._wanted.set()
+            self._thread.start()
+        return self
+
+    def ready(self) -> bool:
+        """A warm agent is waiting (it may still be importing torch)."""
+        with self._lock:
+            return self._spare is not None and self._spare.poll() is None
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._wanted.set()
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            _retire(spare)
+
+    def start(
+        self, argv: list[str], env: Mapping[str, str], cwd: Path, log_path: Path
+    ) -> subprocess.Popen[bytes]:
+        """The launch's agent, warm when one is ready for this argv, else cold."""
+        proc = self._take() if self._warmable(argv) else None
+        if proc is not None:
+            request = {"args": argv[3:], "env": dict(env), "cwd": str(cwd), "log": str(log_path)}
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps(request).encode() + b"\n")
+                proc.stdin.close()
+                self.warm_starts += 1
+                return proc
+            except OSError as exc:  # it died between the check and the write
+                log.warning("warm torchrun agent unusable (%s); starting one cold", exc)
+                _retire(proc)
+        self.cold_starts += 1
+        with open(log_path, "wb") as out:
+            return subprocess.Popen(
+                argv,
+                env=dict(env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                preexec_fn=self.preexec,
+            )
+
+    def _warmable(self, argv: list[str]) -> bool:
+        return self.enabled and len(argv) > 3 and argv[0] == self.python and tuple(argv[1:3]) == TORCHRUN
+
+    def _take(self) -> subprocess.Popen[bytes] | None:
+        with self._lock:
+            spare, self._spare = self._spare, None
+        self._wanted.set()
+        if spare is not None and spare.poll() is None:
+            return spare
+        return None
+
+    def _spawn_loop(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            if self._stopping.is_set():
+                return
+            with self._lock:
+                if self._spare is not None and self._spare.poll() is None:
+                    continue
+            try:
+                spare = self._spawn()
+            except OSError as exc:
+                log.warning("could not start a warm torchrun agent (%s); launches start cold", exc)
+                self._stopping.wait(5.0)
+                self._wanted.set()
+                continue
+            with self._lock:
+                self._spare = spare
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [self.python, "-m", "workers.launcher.warm_agent"],
+            env={**self.base_env, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=self.preexec,
+        )
+
+
+def _retire(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(OSError):
+        if proc.stdin is not None:
+            proc.stdin.close()  # end of input: an idle warm agent exits by itself
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+        return
+    proc.kill()
