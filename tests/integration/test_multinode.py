@@ -23,6 +23,13 @@ from tests.harness import Stack, pids_of_job, wait_for
 from tests.netns import Network, netns_available
 
 DIGITS = {"kind": "builtin", "model": "cnn", "dataset": "digits"}
+TWO_NODES_ONE_GPU = {
+    "mode": "ddp",
+    "nodes": 2,
+    "gpus_per_node": 1,
+    "entrypoint": DIGITS,
+    "hyperparameters": {"epochs": 1, "num_workers": 0},
+}
 
 
 def worker_env(stack: Stack, net: Network, pg_port: int, redis_port: int) -> dict[str, str]:
@@ -89,15 +96,7 @@ def test_wrong_master_address_fails_promptly_naming_the_node(two_hosts) -> None:
     stack.start_worker("b-good", 2, address=good, extra_env=env, netns=net.namespace("hostb"))
     assert wrong_ns
     started = time.monotonic()
-    job = stack.submit(
-        {
-            "mode": "ddp",
-            "nodes": 2,
-            "gpus_per_node": 1,
-            "entrypoint": DIGITS,
-            "hyperparameters": {"epochs": 1, "num_workers": 0},
-        }
-    )
+    job = stack.submit(TWO_NODES_ONE_GPU)
     done = stack.wait_job(job["id"], timeout=120)
     elapsed = time.monotonic() - started
     assert done["state"] == "failed"
@@ -128,15 +127,7 @@ def test_broken_network_between_hosts_fails_in_the_preflight_naming_the_node(two
             net.route(name, "10.99.0.0/24", f"{net.subnet}.250")
         stack.start_worker(name, 1, address=address, extra_env=host_env, netns=net.namespace(name))
     started = time.monotonic()
-    job = stack.submit(
-        {
-            "mode": "ddp",
-            "nodes": 2,
-            "gpus_per_node": 1,
-            "entrypoint": DIGITS,
-            "hyperparameters": {"epochs": 1, "num_workers": 0},
-        }
-    )
+    job = stack.submit(TWO_NODES_ONE_GPU)
     done = stack.wait_job(job["id"], timeout=120)
     elapsed = time.monotonic() - started
     assert done["state"] == "failed", done

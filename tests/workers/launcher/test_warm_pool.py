@@ -3,7 +3,6 @@ ranks, environment, folder, output file, exit status), and the pool keeps one re
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import free_port
 from workers.launcher.procs import pids_under
 from workers.launcher.supervisor import cold_agents, warm_agents
 from workers.launcher.warm_pool import WarmAgentPool
@@ -23,12 +23,6 @@ if os.environ.get("SLEEP"):
     time.sleep(float(os.environ["SLEEP"]))
 sys.exit(int(os.environ.get("EXIT", "0")))
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(pool: WarmAgentPool, tmp_path: Path, **env: str) -> tuple[subprocess.Popen[bytes], Path]:
@@ -44,7 +38,7 @@ def _launch(pool: WarmAgentPool, tmp_path: Path, **env: str) -> tuple[subprocess
         "torch.distributed.run",
         "--nproc-per-node=2",
         "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
+        f"--master-port={free_port()}",
         "--monitor-interval=0.2",
         str(script),
     ]
@@ -61,7 +55,7 @@ def _wait_ready(pool: WarmAgentPool) -> None:
 
 @pytest.fixture
 def pool() -> WarmAgentPool:
-    pool = warm_agents({"PATH": "/usr/bin:/bin"}, enabled=True)
+    pool = warm_agents({"PATH": "/usr/bin:/bin"}, enabled=True, respawn_delay_s=2.0)
     yield pool
     pool.close()
 
@@ -75,7 +69,18 @@ def test_a_warm_launch_runs_the_ranks_with_the_launch_env(pool: WarmAgentPool, t
     for rank in (0, 1):
         assert f"rank {rank} of 2 flag on cwd {run}" in out, out[-3000:]
     assert (pool.warm_starts, pool.cold_starts) == (1, 0)
-    _wait_ready(pool)  # and the next one is already waiting
+    _wait_ready(pool)  # and the next one is waiting
+
+
+def test_the_next_warm_agent_starts_after_the_respawn_delay(pool: WarmAgentPool, tmp_path: Path) -> None:
+    """Not while the launched job's ranks import torch on the same cores."""
+    _wait_ready(pool)
+    taken = time.monotonic()
+    proc, _ = _launch(pool, tmp_path)
+    assert not pool.ready()
+    _wait_ready(pool)
+    assert time.monotonic() - taken >= 2.0
+    assert proc.wait(timeout=120) == 0
 
 
 def test_a_failing_rank_fails_the_warm_agent_as_it_fails_a_cold_one(

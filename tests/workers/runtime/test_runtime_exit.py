@@ -3,22 +3,16 @@ threads outliving the interpreter (see workers/runtime/exiting.py)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.harness import free_port
 from workers.runtime.exiting import run_then_exit
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_exit_after_barrier.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _exit_code(main, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:  # type: ignore[no-untyped-def]
@@ -54,7 +48,7 @@ def test_ddp_ranks_exit_cleanly_after_a_final_barrier(jobs, tmp_path: Path) -> N
     for _ in range(6):
         procs = []
         for _ in range(2):
-            port = _free_port()
+            port = free_port()
             argv = [
                 sys.executable,
                 "-m",

@@ -5,19 +5,14 @@ Across two hosts with a black-holed route: tests/integration/test_multinode.py."
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from tests.harness import free_port
+
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _torchrun(jobs: Any, cwd: Path, nproc: int, *target: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -27,7 +22,7 @@ def _torchrun(jobs: Any, cwd: Path, nproc: int, *target: str, **env: str) -> sub
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
+        f"--master-port={free_port()}",
         *target,
     ]
     return subprocess.run(
