@@ -39,6 +39,11 @@ BATCH_EVERY_S = 0.5
 # keep the rest): back-pressure instead of memory without bound.
 MAX_PENDING_BYTES = 64 * 1024 * 1024
 FINAL_WRITE_TRIES = 10
+PR_SET_PDEATHSIG = 1
+# Loaded here, not in the forked child: a dlopen between fork and exec can deadlock on a loader
+# lock some other thread of the worker held at the fork (node threads and the warm-agent
+# spawner fork concurrently).
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 @dataclass
@@ -263,13 +268,14 @@ def _new_group_dying_with_worker() -> None:
     """Own process group (so a stop reaches every rank), and SIGTERM if the worker dies.
 
     PR_SET_PDEATHSIG fires when the thread that started the agent ends; that thread is the
-    node task, which lives until the agent has exited, so the signal means the worker died.
+    node task (cold start), which lives until the agent has exited, or the warm-agent spawner,
+    which lives as long as the worker: either way the signal means the worker died.
     torchrun forwards the SIGTERM to its ranks, which checkpoint and exit: no orphan keeps
     training on GPU slots the scheduler has already given to someone else.
     """
     os.setsid()
     with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:
