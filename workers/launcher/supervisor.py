@@ -28,7 +28,7 @@ from workers.launcher.command import LaunchPlan, config_json, processes_per_node
 from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, RankLogs, epoch_from_name
 from workers.launcher.procs import kill_under, pids_under, signal_all
-from workers.launcher.warm_pool import RESPAWN_DELAY_S, WarmAgentPool
+from workers.launcher.warm_pool import WarmAgentPool
 from workers.reporter import Batch, NodeKey
 
 log = logging.getLogger("torchjobs.worker")
@@ -255,13 +255,9 @@ def cold_agents() -> WarmAgentPool:
     return WarmAgentPool(_new_group_dying_with_worker, {}, enabled=False)
 
 
-def warm_agents(
-    base_env: dict[str, str], enabled: bool, respawn_delay_s: float = RESPAWN_DELAY_S
-) -> WarmAgentPool:
+def warm_agents(base_env: dict[str, str], enabled: bool) -> WarmAgentPool:
     """The worker's pool: one agent kept waiting with torch imported (warm_agent.py)."""
-    return WarmAgentPool(
-        _new_group_dying_with_worker, base_env, enabled=enabled, respawn_delay_s=respawn_delay_s
-    ).begin()
+    return WarmAgentPool(_new_group_dying_with_worker, base_env, enabled=enabled).begin()
 
 
 def _new_group_dying_with_worker() -> None:

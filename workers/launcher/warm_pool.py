@@ -1,8 +1,7 @@
 """One warm torchrun agent kept ready per worker (see warm_agent.py).
 
 `start()` hands a launch to the waiting agent when there is one, alive, for the same
-interpreter, and asks a long-lived spawner thread for the next (started RESPAWN_DELAY_S later,
-not while the job's own ranks are importing torch on the same cores); otherwise (two launches at
+interpreter, and asks a long-lived spawner thread for the next; otherwise (two launches at
 once, the spare died, warm agents turned off) it starts `python -m torch.distributed.run`
 cold, as before. Either way the caller gets a `subprocess.Popen` whose process leads its own
 process group and gets SIGTERM if the worker dies, so supervision, stops and clean-up are the
@@ -19,7 +18,6 @@ import logging
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -28,22 +26,11 @@ log = logging.getLogger("torchjobs.worker")
 TORCHRUN = ("-m", "torch.distributed.run")
 
 
-# The next warm agent waits this long after one is taken: importing torch takes a core for a
-# second or more, and right after a launch the job's own ranks are importing torch on this host.
-RESPAWN_DELAY_S = 10.0
-
-
 class WarmAgentPool:
     def __init__(
-        self,
-        preexec: Callable[[], None],
-        base_env: Mapping[str, str],
-        enabled: bool = True,
-        respawn_delay_s: float = RESPAWN_DELAY_S,
+        self, preexec: Callable[[], None], base_env: Mapping[str, str], enabled: bool = True
     ) -> None:
         self.preexec, self.base_env, self.enabled = preexec, dict(base_env), enabled
-        self.respawn_delay_s = respawn_delay_s
-        self._respawn_at = 0.0
         self.python = sys.executable
         self._spare: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
@@ -105,7 +92,6 @@ class WarmAgentPool:
     def _take(self) -> subprocess.Popen[bytes] | None:
         with self._lock:
             spare, self._spare = self._spare, None
-            self._respawn_at = time.monotonic() + self.respawn_delay_s
         self._wanted.set()
         if spare is not None and spare.poll() is None:
             return spare
@@ -115,9 +101,7 @@ class WarmAgentPool:
         while True:
             self._wanted.wait()
             self._wanted.clear()
-            with self._lock:
-                delay = self._respawn_at - time.monotonic()
-            if self._stopping.wait(max(delay, 0.0)):
+            if self._stopping.is_set():
                 return
             with self._lock:
                 if self._spare is not None and self._spare.poll() is None:
