@@ -241,10 +241,8 @@ def workdir(prefix: str, keep_on_error: Path | None = None) -> Iterator[Path]:
 def embedded_stack(home: Path) -> Iterator[harness.Stack]:
     """`torchjobs up --gpus 2 --accelerator cpu`: SQLite, embedded broker, one local worker."""
     home.mkdir(parents=True, exist_ok=True)
-    stack = harness.Stack(home=home, env=bench_env(home), port=harness.free_port(), embedded=True)
+    stack = harness.embedded_stack(home, bench_env(home))
     try:
-        stack.start_server()
-        stack.wait_worker_online("local")
         yield stack
     finally:
         stack.stop()

@@ -270,41 +270,23 @@ def figures_for(setup: str, data: dict[str, dict[str, list[dict[str, Any]]]]) ->
             clocks = {r["clock"] for r in svc}
             note = "" if clocks == {"rank"} else "service timestamps are storing times (rank clock dropped)"
             note = "; ".join(x for x in (note, dropped) if x)
-            figs.append(
-                figure(
-                    f"launch: POST -> first step, {label}",
-                    "s",
-                    [r["first_step_s"] for r in svc],
-                    [r["first_step_s"] for r in bare],
-                    setup=setup,
-                    floor_name="torchrun by hand",
-                    target="<= 1.0",
-                    note=note,
-                )
-            )
+            measures = [("launch: POST -> first step", "s", "first_step_s", "<= 1.0", note)]
         else:
+            measures = [
+                ("whole job (~1 min)", "s", "wall_s", "<= 1.02", dropped),
+                ("training throughput", "samples/s", "samples_per_sec", ">= 0.98", dropped),
+            ]
+        for title, unit, key, target, note in measures:
             figs.append(
                 figure(
-                    f"whole job (~1 min), {label}",
-                    "s",
-                    [r["wall_s"] for r in svc],
-                    [r["wall_s"] for r in bare],
+                    f"{title}, {label}",
+                    unit,
+                    [r[key] for r in svc],
+                    [r[key] for r in bare],
                     setup=setup,
                     floor_name="torchrun by hand",
-                    target="<= 1.02",
-                    note=dropped,
-                )
-            )
-            figs.append(
-                figure(
-                    f"training throughput, {label}",
-                    "samples/s",
-                    [r["samples_per_sec"] for r in svc],
-                    [r["samples_per_sec"] for r in bare],
-                    setup=setup,
-                    floor_name="torchrun by hand",
-                    target=">= 0.98",
-                    note=dropped,
+                    target=target,
+                    note=note,
                 )
             )
     return figs

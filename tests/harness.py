@@ -196,10 +196,15 @@ def make_env(home: Path, **overrides: str) -> dict[str, str]:
     return env
 
 
-def embedded_stack(home: Path) -> Stack:
-    stack = Stack(home=home, env=make_env(home), port=free_port(), embedded=True)
-    stack.start_server()
-    stack.wait_worker_online("local")
+def embedded_stack(home: Path, env: dict[str, str] | None = None) -> Stack:
+    """`torchjobs up` with its local worker online; stopped again if it does not get there."""
+    stack = Stack(home=home, env=env if env is not None else make_env(home), port=free_port(), embedded=True)
+    try:
+        stack.start_server()
+        stack.wait_worker_online("local")
+    except BaseException:
+        stack.stop()
+        raise
     return stack
 
 

@@ -49,11 +49,8 @@ def prod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Stack]:
 @pytest.fixture(scope="package")
 def emb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Stack]:
     home = Path(tmp_path_factory.mktemp("streams-embedded"))
-    env = harness.make_env(home, **STREAM_ENV)
-    stack = harness.Stack(home=home, env=env, port=harness.free_port(), embedded=True)
+    stack = harness.embedded_stack(home, harness.make_env(home, **STREAM_ENV))
     try:
-        stack.start_server()
-        stack.wait_worker_online("local")
         yield stack
     finally:
         stack.stop()
