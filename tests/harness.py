@@ -170,7 +170,28 @@ class Stack:
                 job = c.get(f"/v1/jobs/{job_id}").json()
             return job if job["state"] in states else None
 
-        return wait_for(done, timeout, f"job {job_id} to reach {states}", interval=0.5)
+        try:
+            return wait_for(done, timeout, f"job {job_id} to reach {states}", interval=0.5)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}\n{self.describe(job_id)}") from None
+
+    def describe(self, job_id: int) -> str:
+        """What a timed-out test needs to say why: the job, its events, the workers, log tails."""
+        parts: list[str] = []
+        try:
+            with self.client() as c:
+                parts.append(f"job: {c.get(f'/v1/jobs/{job_id}').text}")
+                parts.append(f"events: {c.get(f'/v1/jobs/{job_id}/events').text}")
+                parts.append(f"workers: {c.get('/v1/workers').text}")
+        except httpx.HTTPError as exc:
+            parts.append(f"the API did not answer: {exc!r}")
+        for log in [
+            *sorted(self.home.glob("*.log")),
+            *sorted(self.home.glob(f"**/job-{job_id}/*/*/agent.log")),
+        ]:
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+            parts.append(f"--- {log.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+        return "\n".join(parts)
 
     def events(self, job_id: int) -> list[dict[str, Any]]:
         with self.client() as c:

@@ -8,7 +8,8 @@ worker that died on receipt, a broker restart) is sent again by the scheduler
 (`service.scheduler.loop.undelivered`). Late acknowledgement was tried and dropped: with it a
 running node holds an unacked message for hours, and kombu's Redis transport crashed the
 consumer ("Unrecoverable error") while restoring that message after a Redis restart.
-The embedded broker is kombu's filesystem transport: a folder under TORCHJOBS_HOME, no server.
+The embedded broker is kombu's filesystem transport (made safe in broker_files.py): a folder
+under TORCHJOBS_HOME, no server.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from celery import Celery
 
 from service.config import Settings
+from workers import broker_files
 
 RUN_NODE = "torchjobs.run_node"
 
@@ -25,9 +27,10 @@ def queue_for(worker_name: str) -> str:
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("torchjobs", broker=settings.resolved_broker_url)
+    broker = settings.resolved_broker_url
     transport_options: dict[str, object] = {"visibility_timeout": 7 * 24 * 3600}
-    if settings.resolved_broker_url.startswith("filesystem"):
+    if broker.startswith("filesystem"):
+        broker = broker_files.register()  # kombu's, with atomic writes (see broker_files.py)
         folder = settings.broker_folder
         for sub in ("queue", "processed"):
             (folder / sub).mkdir(parents=True, exist_ok=True)
@@ -38,6 +41,7 @@ def make_celery(settings: Settings) -> Celery:
             "control_folder": str(folder / "control"),
             "store_processed": False,
         }
+    app = Celery("torchjobs", broker=broker)
     app.conf.update(
         broker_transport_options=transport_options,
         broker_connection_retry_on_startup=True,

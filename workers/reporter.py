@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError
+from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from service.checkpoints import service as checkpoints_service
 from service.db import Database
@@ -26,6 +28,7 @@ from service.storage import Storage
 
 log = logging.getLogger("torchjobs.worker")
 MAX_CHUNK = 256 * 1024
+END_WRITE_PATIENCE_S = 600.0  # as long as a database restart or fail-over may take
 
 
 @dataclass
@@ -133,7 +136,17 @@ def record_checkpoint(
     return ckpt_id
 
 
+@retry(
+    retry=retry_if_exception_type(DBAPIError),
+    wait=wait_exponential(multiplier=0.2, max=10),
+    stop=stop_after_delay(END_WRITE_PATIENCE_S),
+    before_sleep=before_sleep_log(log, logging.WARNING),
+    reraise=True,
+)
 def record_end(db: Database, key: NodeKey, outcome: NodeOutcome) -> None:
+    """The node's end, retried while the database is away (restarting, locked, unreachable):
+    if it were dropped the job would stay `running` on a live worker that no longer runs it.
+    Idempotent: a node already ended keeps its first outcome."""
     with db.transaction() as session:
         finish_node(session, key.job_id, key.attempt, key.node_rank, outcome)
 

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import typer
 import uvicorn
 
 from service.auth.tokens import read_or_create_admin_token
+from service.cli.local_worker import LocalWorkerKeeper
 from service.config import Settings
 from service.migrate import schema_is_current, upgrade
 
@@ -43,34 +40,13 @@ def run_up(host: str, port: int, gpus: int | None, accelerator: str) -> None:
     ]
     if gpus is not None:
         cmd += ["--gpus", str(gpus)]
-    worker = subprocess.Popen(cmd, env=os.environ.copy(), preexec_fn=_die_with_parent)
+    worker = LocalWorkerKeeper(cmd, settings.cancel_grace_s + 10).start()
     token_where = "TORCHJOBS_ADMIN_TOKEN" if settings.admin_token else str(settings.admin_token_file)
     typer.echo(f"torchjobs is up at http://{host}:{port}  (admin token: {token_where})", err=True)
     try:
         run_server(settings, host, port, scheduler=True)
     finally:
-        _stop_child(worker, settings.cancel_grace_s + 10)
-
-
-def _die_with_parent() -> None:
-    """The local worker gets SIGTERM if `up` itself dies, so no orphan keeps the slots."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _stop_child(proc: subprocess.Popen[bytes], wait_s: float) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + wait_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        worker.stop()
 
 
 def require_current_schema(settings: Settings) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from pathlib import Path
@@ -53,5 +54,53 @@ def test_a_new_up_finds_the_interrupted_job_and_fails_or_retries_it(tmp_path: Pa
         done = stack.wait_job(job["id"], timeout=240)
         assert done["state"] == "succeeded", done["error"]
         assert done["attempt"] == 2
+    finally:
+        stack.stop()
+
+
+SHORT = {
+    "mode": "single",
+    "entrypoint": {"kind": "builtin", "model": "mlp", "dataset": "synthetic"},
+    "hyperparameters": {"epochs": 1, "num_workers": 0},
+}
+
+
+def _local_workers(stack: harness.Stack) -> list[int]:
+    """The live `torchjobs worker` processes `up` started (its children; a zombie has no cmdline)."""
+    up = stack.procs["up"].pid
+    children = [
+        int(p) for task in Path(f"/proc/{up}/task").iterdir() for p in (task / "children").read_text().split()
+    ]
+    return [p for p in children if b"\0worker\0" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def test_an_unreadable_broker_message_neither_stops_the_worker_nor_loses_work(tmp_path: Path) -> None:
+    """kombu's filesystem transport wrote messages in place: a consumer could read one empty,
+    and the parse error ended the local worker for good (every later job queued for ever)."""
+    stack = harness.embedded_stack(tmp_path)
+    try:
+        [worker] = _local_workers(stack)
+        queue = tmp_path / "broker" / "queue"
+        (queue / f"{int(time.monotonic() * 1000)}_{'0' * 32}.worker.local.msg").write_bytes(b"")
+        (queue / f"{int(time.monotonic() * 1000) + 1}_{'1' * 32}.worker.local.msg").write_bytes(b'{"body": ')
+        harness.wait_for(lambda: not any(queue.glob("*.msg")), 30, "the worker to take both files")
+        done = stack.wait_job(stack.submit(SHORT)["id"])
+        assert done["state"] == "succeeded", done["error"]
+        assert _local_workers(stack) == [worker]  # the same process: it never stopped
+        assert stack.logs_of("up").count("dropped an unreadable message") == 2
+    finally:
+        stack.stop()
+
+
+def test_a_killed_local_worker_is_started_again(tmp_path: Path) -> None:
+    stack = harness.embedded_stack(tmp_path)
+    try:
+        [first] = _local_workers(stack)
+        os.kill(first, signal.SIGKILL)
+        harness.wait_for(lambda: _local_workers(stack) not in ([], [first]), 60, "a new local worker")
+        stack.wait_worker_online("local")
+        done = stack.wait_job(stack.submit(SHORT)["id"])
+        assert done["state"] == "succeeded", done["error"]
+        assert "the local worker exited (code -9)" in stack.logs_of("up")
     finally:
         stack.stop()

@@ -9,7 +9,6 @@ the grace period. When the agent exits, anything left in its group is killed too
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import shutil
@@ -39,11 +38,6 @@ BATCH_EVERY_S = 0.5
 # keep the rest): back-pressure instead of memory without bound.
 MAX_PENDING_BYTES = 64 * 1024 * 1024
 FINAL_WRITE_TRIES = 10
-PR_SET_PDEATHSIG = 1
-# Loaded here, not in the forked child: a dlopen between fork and exec can deadlock on a loader
-# lock some other thread of the worker held at the fork (node threads and the warm-agent
-# spawner fork concurrently).
-_LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 
 
 @dataclass
@@ -252,26 +246,19 @@ def remove_run_dir(run_dir: Path) -> None:
 
 def cold_agents() -> WarmAgentPool:
     """Every launch a fresh `python -m torch.distributed.run` (unit tests, warm agents off)."""
-    return WarmAgentPool(_new_group_dying_with_worker, {}, enabled=False)
+    return WarmAgentPool({}, enabled=False)
 
 
 def warm_agents(base_env: dict[str, str], enabled: bool) -> WarmAgentPool:
-    """The worker's pool: one agent kept waiting with torch imported (warm_agent.py)."""
-    return WarmAgentPool(_new_group_dying_with_worker, base_env, enabled=enabled).begin()
+    """The worker's pool: one agent kept waiting with torch imported (warm_agent.py).
 
-
-def _new_group_dying_with_worker() -> None:
-    """Own process group (so a stop reaches every rank), and SIGTERM if the worker dies.
-
-    PR_SET_PDEATHSIG fires when the thread that started the agent ends; that thread is the
-    node task (cold start), which lives until the agent has exited, or the warm-agent spawner,
-    which lives as long as the worker: either way the signal means the worker died.
-    torchrun forwards the SIGTERM to its ranks, which checkpoint and exit: no orphan keeps
-    training on GPU slots the scheduler has already given to someone else.
+    Every agent leads its own process group (so a stop reaches every rank) and gets SIGTERM if
+    the thread that started it ends: the node task (cold start), which lives until the agent
+    has exited, or the warm-agent spawner, which lives as long as the worker. Either way the
+    signal means the worker died; torchrun forwards it to its ranks, which checkpoint and
+    exit: no orphan keeps training on GPU slots the scheduler has already given to someone else.
     """
-    os.setsid()
-    with contextlib.suppress(OSError):
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    return WarmAgentPool(base_env, enabled=enabled).begin()
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:

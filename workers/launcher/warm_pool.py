@@ -7,7 +7,8 @@ cold, as before. Either way the caller gets a `subprocess.Popen` whose process l
 process group and gets SIGTERM if the worker dies, so supervision, stops and clean-up are the
 same for both. The spawner thread lives as long as the worker: PR_SET_PDEATHSIG fires when
 the thread that started a process ends, so a warm agent gets its SIGTERM exactly when the
-worker goes away.
+worker goes away. No `preexec_fn` (see service/parent_death.py): the worker forks from
+several threads at once.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import logging
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
+
+from service.parent_death import dying_with_parent
 
 log = logging.getLogger("torchjobs.worker")
 
@@ -27,10 +30,8 @@ TORCHRUN = ("-m", "torch.distributed.run")
 
 
 class WarmAgentPool:
-    def __init__(
-        self, preexec: Callable[[], None], base_env: Mapping[str, str], enabled: bool = True
-    ) -> None:
-        self.preexec, self.base_env, self.enabled = preexec, dict(base_env), enabled
+    def __init__(self, base_env: Mapping[str, str], enabled: bool = True) -> None:
+        self.base_env, self.enabled = dict(base_env), enabled
         self.python = sys.executable
         self._spare: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
@@ -72,18 +73,20 @@ class WarmAgentPool:
                 self.warm_starts += 1
                 return proc
             except OSError as exc:  # it died between the check and the write
-                log.warning("warm torchrun agent unusable (%s); starting one cold", exc)
                 _retire(proc)
+                log.warning(
+                    "warm torchrun agent unusable (%s, exit %s); starting one cold", exc, proc.returncode
+                )
         self.cold_starts += 1
         with open(log_path, "wb") as out:
             return subprocess.Popen(
-                argv,
+                dying_with_parent(argv),
                 env=dict(env),
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=self.preexec,
+                start_new_session=True,
             )
 
     def _warmable(self, argv: list[str]) -> bool:
@@ -95,6 +98,8 @@ class WarmAgentPool:
         self._wanted.set()
         if spare is not None and spare.poll() is None:
             return spare
+        if spare is not None:
+            log.warning("the warm torchrun agent had exited (%s); starting one cold", spare.returncode)
         return None
 
     def _spawn_loop(self) -> None:
@@ -118,12 +123,12 @@ class WarmAgentPool:
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
-            [self.python, "-m", "workers.launcher.warm_agent"],
+            dying_with_parent([self.python, "-m", "workers.launcher.warm_agent"]),
             env={**self.base_env, "PYTHONUNBUFFERED": "1"},
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            preexec_fn=self.preexec,
+            start_new_session=True,
         )
 
 

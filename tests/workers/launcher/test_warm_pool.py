@@ -60,7 +60,9 @@ def pool() -> WarmAgentPool:
     pool.close()
 
 
-def test_a_warm_launch_runs_the_ranks_with_the_launch_env(pool: WarmAgentPool, tmp_path: Path) -> None:
+def test_a_warm_launch_runs_the_ranks_with_the_launch_env(
+    pool: WarmAgentPool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     _wait_ready(pool)
     proc, log = _launch(pool, tmp_path, MY_FLAG="on")
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
@@ -68,7 +70,7 @@ def test_a_warm_launch_runs_the_ranks_with_the_launch_env(pool: WarmAgentPool, t
     run = str(tmp_path / "run")
     for rank in (0, 1):
         assert f"rank {rank} of 2 flag on cwd {run}" in out, out[-3000:]
-    assert (pool.warm_starts, pool.cold_starts) == (1, 0)
+    assert (pool.warm_starts, pool.cold_starts) == (1, 0), caplog.text
     _wait_ready(pool)  # and the next one is already waiting
 
 

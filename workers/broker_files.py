@@ -1,0 +1,65 @@
+"""The embedded broker: kombu's filesystem transport, without the race that killed the worker.
+
+kombu writes a message in place (create the file, then write it), and a consumer that lists
+the folder in between moves the still-empty file away and fails to parse it. That exception
+leaves Celery's consumer as an "Unrecoverable error": the local worker of `torchjobs up`
+stopped, went offline, and every job after it waited for ever (seen in CI as two DDP jobs that
+never left the queue; reproduced by dropping an empty message file into the queue folder).
+
+Here a message is written under a name no queue matches and renamed into place, which is
+atomic on one filesystem, so a consumer sees all of it or none. A file that still cannot be
+parsed (truncated by a crash, a disk that filled up) is dropped with a warning instead of
+ending the consumer: the scheduler sends again every node no worker has claimed
+(`service.scheduler.loop.undelivered`), so nothing is lost with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import uuid
+from time import monotonic
+from typing import Any
+
+from kombu.exceptions import ChannelError
+from kombu.transport import TRANSPORT_ALIASES, filesystem
+from kombu.utils.encoding import str_to_bytes
+from kombu.utils.json import dumps
+
+log = logging.getLogger("torchjobs.worker")
+
+SCHEME = "torchjobs-files"
+STAGING_PREFIX = ".staging-"  # kombu matches "<stamp>_<uuid>.<queue>.msg"; this never does
+
+
+class Channel(filesystem.Channel):
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+        folder = self.data_folder_out
+        name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+        staging = os.path.join(folder, f"{STAGING_PREFIX}{uuid.uuid4()}")
+        try:
+            with open(staging, "wb") as fh:
+                fh.write(str_to_bytes(dumps(payload)))
+            os.replace(staging, os.path.join(folder, name))
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(staging)
+            raise ChannelError(f"Cannot add file {name!r} to directory") from exc
+
+    def _get(self, queue: str) -> Any:
+        while True:
+            try:
+                return super()._get(queue)
+            except ValueError as exc:  # the file is gone already: kombu removed it before parsing
+                log.warning("dropped an unreadable message on queue %s (%s)", queue, exc)
+
+
+class Transport(filesystem.Transport):
+    Channel = Channel
+
+
+def register() -> str:
+    """Make `torchjobs-files://` name this transport in this process; returns the URL."""
+    TRANSPORT_ALIASES[SCHEME] = f"{__name__}:Transport"
+    return f"{SCHEME}://"
