@@ -3,8 +3,9 @@
 kombu writes a message in place (create the file, then write it), and a consumer that lists
 the folder in between moves the still-empty file away and fails to parse it. That exception
 leaves Celery's consumer as an "Unrecoverable error": the local worker of `torchjobs up`
-stopped, went offline, and every job after it waited for ever (seen in CI as two DDP jobs that
-never left the queue; reproduced by dropping an empty message file into the queue folder).
+stopped, went offline, and every job after it waited for ever (reproduced by dropping an empty
+message file into the queue folder; the likely cause of two embedded DDP jobs that never
+finished in one CI run, which left no logs to tell).
 
 Here a message is written under a name no queue matches and renamed into place, which is
 atomic on one filesystem, so a consumer sees all of it or none. A file that still cannot be
