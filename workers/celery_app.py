@@ -20,6 +20,7 @@ from service.config import Settings
 from workers import broker_files
 
 RUN_NODE = "torchjobs.run_node"
+EMBEDDED_POLL_S = 0.05
 
 
 def queue_for(worker_name: str) -> str:
@@ -40,6 +41,9 @@ def make_celery(settings: Settings) -> Celery:
             "processed_folder": str(folder / "processed"),
             "control_folder": str(folder / "control"),
             "store_processed": False,
+            # kombu looks at the folder once a second by default: up to a second between a
+            # job's placement and its launch. A listdir of a near-empty folder costs microseconds.
+            "polling_interval": EMBEDDED_POLL_S,
         }
     app = Celery("torchjobs", broker=broker)
     app.conf.update(
