@@ -102,18 +102,19 @@ class NodeSupervisor:
         last_control = last_batch = 0.0
         while True:
             rc = proc.poll()
+            if rc is not None:
+                return rc  # run() reads what is left, all of it, once
             now = time.monotonic()
-            if now - last_batch >= BATCH_EVERY_S or rc is not None or self.backlog:
+            if now - last_batch >= BATCH_EVERY_S or self.backlog:
                 self._ingest(final=False)
                 last_batch = now
-            if rc is not None:
-                return rc
             if self.stop_reason is None and now - last_control >= CONTROL_EVERY_S:
                 last_control = now
                 self.stop_reason = self._should_stop()
                 if self.stop_reason is not None:
                     return self._stop(proc)
-            time.sleep(POLL_S)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=POLL_S)  # back at once when the agent exits, not a poll later
 
     def _should_stop(self) -> str | None:
         if self.shutdown.is_set():
