@@ -16,7 +16,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from celery import signals
+from celery import Celery, signals
 
 from service.config import Settings
 from service.db import Database
@@ -126,7 +126,8 @@ def run_worker(
 
     log.info("worker %s: %s x%s at %s", name, ctx.accelerator, ctx.gpus, ctx.address)
     try:
-        app.worker_main(
+        code = _run_celery_worker(
+            app,
             [
                 *(["--quiet"] if settings.log_json else []),  # no banner: every line stays JSON
                 "worker",
@@ -143,7 +144,7 @@ def run_worker(
                 "--without-heartbeat",
                 "-l",
                 "INFO",
-            ]
+            ],
         )
     finally:
         ctx.shutdown.set()
@@ -153,6 +154,25 @@ def run_worker(
         with db.transaction() as session:
             workers_repo.mark_offline(session, name, ctx.session_id)
         db.dispose()
+    if code:
+        raise SystemExit(code)
+
+
+def _run_celery_worker(app: Celery, argv: list[str]) -> int:
+    """`app.worker_main(argv)`, keeping the exit status that it (and `app.start`) drops.
+
+    After an "Unrecoverable error" Celery stops with status 1, and whoever restarts workers
+    (`up`, systemd, a pod) must see a failure, not a clean stop. This is `Celery.start` with
+    the status that click returns under `standalone_mode=False` kept.
+    """
+    from celery.bin.celery import celery as celery_cli
+
+    celery_cli.params[0].default = app  # the --app option, as Celery.start sets it
+    try:
+        code = celery_cli.main(args=argv, standalone_mode=False)
+    finally:
+        celery_cli.params[0].default = None
+    return code if isinstance(code, int) else 0
 
 
 def _celery_logs_json() -> None:

@@ -9,9 +9,10 @@ finished in one CI run, which left no logs to tell).
 
 Here a message is written under a name no queue matches and renamed into place, which is
 atomic on one filesystem, so a consumer sees all of it or none. A file that still cannot be
-parsed (truncated by a crash, a disk that filled up) is dropped with a warning instead of
-ending the consumer: the scheduler sends again every node no worker has claimed
-(`service.scheduler.loop.undelivered`), so nothing is lost with it.
+parsed, or is not shaped like a kombu message (truncated by a crash, a disk that filled up,
+someone's stray file), is dropped with a warning instead of ending the consumer: the
+scheduler sends again every node no worker has claimed (`service.scheduler.loop.undelivered`),
+so nothing is lost with it.
 """
 
 from __future__ import annotations
@@ -49,11 +50,19 @@ class Channel(filesystem.Channel):
             raise ChannelError(f"Cannot add file {name!r} to directory") from exc
 
     def _get(self, queue: str) -> Any:
-        while True:
+        while True:  # kombu has removed the file before parsing it: a bad one is simply skipped
             try:
-                return super()._get(queue)
-            except ValueError as exc:  # the file is gone already: kombu removed it before parsing
+                payload = super()._get(queue)
+            except ValueError as exc:
                 log.warning("dropped an unreadable message on queue %s (%s)", queue, exc)
+                continue
+            if (
+                isinstance(payload, dict)
+                and "body" in payload
+                and isinstance(payload.get("properties"), dict)
+            ):
+                return payload
+            log.warning("dropped an unreadable message on queue %s (not a kombu message)", queue)
 
 
 class Transport(filesystem.Transport):

@@ -19,11 +19,11 @@ def channel(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def test_a_message_is_renamed_into_place_whole(channel, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    channel._put("worker.local", {"body": "x" * 100_000})
+    channel._put("worker.local", {"body": "x" * 100_000, "properties": {}})
     names = [p.name for p in tmp_path.iterdir()]
     assert len(names) == 1 and names[0].endswith(".worker.local.msg")
     assert not any(n.startswith(broker_files.STAGING_PREFIX) for n in names)
-    assert channel._get("worker.local") == {"body": "x" * 100_000}
+    assert channel._get("worker.local") == {"body": "x" * 100_000, "properties": {}}
 
 
 def test_a_file_being_staged_is_not_a_message(channel, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -31,10 +31,11 @@ def test_a_file_being_staged_is_not_a_message(channel, tmp_path: Path) -> None: 
     assert channel._size("worker.local") == 0
 
 
-def test_an_unreadable_message_is_skipped_for_the_next_one(channel, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    (tmp_path / "0_a.worker.local.msg").write_bytes(b"")
-    channel._put("worker.local", {"body": "next"})
-    assert channel._get("worker.local") == {"body": "next"}
+@pytest.mark.parametrize("content", [b"", b'{"body": ', b"[]", b'{"body": "x"}', b"null"])
+def test_an_unreadable_message_is_skipped_for_the_next_one(channel, tmp_path: Path, content: bytes) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "0_a.worker.local.msg").write_bytes(content)
+    channel._put("worker.local", {"body": "next", "properties": {}})
+    assert channel._get("worker.local") == {"body": "next", "properties": {}}
     assert list(tmp_path.iterdir()) == []
 
 
