@@ -108,7 +108,8 @@ def run_worker(
         accelerator=kind,
         gpus=gpus if gpus is not None else detected,
     )
-    ctx.agents = warm_agents(_agent_env(), enabled=settings.warm_agent)
+    # a CPU worker's slots are the cores a spare's torch import would take from its jobs
+    ctx.agents = warm_agents(_agent_env(), enabled=settings.warm_agent, spawn_when_idle=kind == "cpu")
     context.set_current(ctx)
     remove_stale_runs(ctx.run_root)
     register(ctx)

@@ -89,12 +89,13 @@ class NodeSupervisor:
     def run(self) -> NodeOutcome:
         self.prepare()
         plan = self.plan
-        proc = self.agents.start(plan.argv, plan.env, plan.cwd, plan.paths.agent_log)
-        try:
-            rc = self._watch(proc)
-        finally:
-            _kill_group(proc.pid, signal.SIGKILL)
-            kill_under(str(self.plan.paths.run_dir) + "/")  # ranks live in sessions of their own
+        with self.agents.node_running():
+            proc = self.agents.start(plan.argv, plan.env, plan.cwd, plan.paths.agent_log)
+            try:
+                rc = self._watch(proc)
+            finally:
+                _kill_group(proc.pid, signal.SIGKILL)
+                kill_under(str(self.plan.paths.run_dir) + "/")  # ranks live in sessions of their own
         self._ingest(final=True)
         return self._outcome(rc)
 
@@ -250,7 +251,7 @@ def cold_agents() -> WarmAgentPool:
     return WarmAgentPool({}, enabled=False)
 
 
-def warm_agents(base_env: dict[str, str], enabled: bool) -> WarmAgentPool:
+def warm_agents(base_env: dict[str, str], enabled: bool, spawn_when_idle: bool = False) -> WarmAgentPool:
     """The worker's pool: one agent kept waiting with torch imported (warm_agent.py).
 
     Every agent leads its own process group (so a stop reaches every rank) and gets SIGTERM if
@@ -259,7 +260,7 @@ def warm_agents(base_env: dict[str, str], enabled: bool) -> WarmAgentPool:
     signal means the worker died; torchrun forwards it to its ranks, which checkpoint and
     exit: no orphan keeps training on GPU slots the scheduler has already given to someone else.
     """
-    return WarmAgentPool(base_env, enabled=enabled).begin()
+    return WarmAgentPool(base_env, enabled=enabled, spawn_when_idle=spawn_when_idle).begin()
 
 
 def _kill_group(pgid: int, sig: signal.Signals) -> None:

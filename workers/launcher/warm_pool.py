@@ -8,7 +8,8 @@ process group and gets SIGTERM if the worker dies, so supervision, stops and cle
 same for both. The spawner thread lives as long as the worker: PR_SET_PDEATHSIG fires when
 the thread that started a process ends, so a warm agent gets its SIGTERM exactly when the
 worker goes away. No `preexec_fn` (see service/parent_death.py): the worker forks from
-several threads at once.
+several threads at once. On a CPU worker (`spawn_when_idle`) the next spare is started only
+when none of the worker's nodes runs (`node_running()`), not on the cores its jobs train on.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from service.parent_death import dying_with_parent
@@ -30,8 +31,13 @@ TORCHRUN = ("-m", "torch.distributed.run")
 
 
 class WarmAgentPool:
-    def __init__(self, base_env: Mapping[str, str], enabled: bool = True) -> None:
-        self.base_env, self.enabled = dict(base_env), enabled
+    def __init__(
+        self, base_env: Mapping[str, str], enabled: bool = True, spawn_when_idle: bool = False
+    ) -> None:
+        self.base_env, self.enabled, self.spawn_when_idle = dict(base_env), enabled, spawn_when_idle
+        self._running = 0
+        self._idle = threading.Event()
+        self._idle.set()
         self.python = sys.executable
         self._spare: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
@@ -50,6 +56,22 @@ class WarmAgentPool:
         """A warm agent is waiting (it may still be importing torch)."""
         with self._lock:
             return self._spare is not None and self._spare.poll() is None
+
+    @contextlib.contextmanager
+    def node_running(self) -> Iterator[None]:
+        """Around a node's launch and life. With `spawn_when_idle` the replacement spare waits
+        until no node of this worker runs: importing torch takes a core for a second or two,
+        and on a CPU worker the cores are the very slots its jobs train on."""
+        with self._lock:
+            self._running += 1
+            self._idle.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    self._idle.set()
 
     def close(self) -> None:
         self._stopping.set()
@@ -106,7 +128,7 @@ class WarmAgentPool:
         while True:
             self._wanted.wait()
             self._wanted.clear()
-            if self._stopping.is_set():
+            if self._stopping.is_set() or (self.spawn_when_idle and not self._wait_idle()):
                 return
             with self._lock:
                 if self._spare is not None and self._spare.poll() is None:
@@ -120,6 +142,13 @@ class WarmAgentPool:
                 continue
             with self._lock:
                 self._spare = spare
+
+    def _wait_idle(self) -> bool:
+        """Until no node runs; False if the pool closes first."""
+        while not self._idle.wait(0.5):
+            if self._stopping.is_set():
+                return False
+        return not self._stopping.is_set()
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(

@@ -113,3 +113,18 @@ def test_closing_the_pool_ends_its_waiting_agent(tmp_path: Path) -> None:
     assert spare is not None
     pool.close()
     spare.wait(timeout=30)  # EOF on its input, or the SIGTERM of its spawner thread ending
+
+
+def test_on_a_cpu_worker_the_next_spare_waits_until_no_node_runs(tmp_path: Path) -> None:
+    """Its torch import would take a core from the job's own ranks (a CPU worker's slots)."""
+    pool = warm_agents({"PATH": "/usr/bin:/bin"}, enabled=True, spawn_when_idle=True)
+    try:
+        _wait_ready(pool)  # idle at start: the first spare comes at once
+        with pool.node_running():
+            proc, log = _launch(pool, tmp_path, SLEEP="1")
+            assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+            assert not pool.ready()  # taken, and no replacement while a node runs
+        _wait_ready(pool)  # one as soon as none does
+        assert (pool.warm_starts, pool.cold_starts) == (1, 0)
+    finally:
+        pool.close()
