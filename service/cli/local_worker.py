@@ -30,7 +30,6 @@ HEALTHY_AFTER_S = 60.0  # a worker that lived this long starts the backoff over
 class LocalWorkerKeeper:
     def __init__(self, cmd: Sequence[str], stop_wait_s: float) -> None:
         self.cmd, self.stop_wait_s = list(cmd), stop_wait_s
-        self.restarts = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._started = threading.Event()
@@ -42,10 +41,6 @@ class LocalWorkerKeeper:
         self._thread.start()
         self._started.wait()
         return self
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
 
     def stop(self) -> None:
         self._stopping.set()
@@ -75,15 +70,13 @@ class LocalWorkerKeeper:
             if self._stopping.wait(backoff):
                 return
             backoff = min(MAX_BACKOFF_S, backoff * 2)
-            self.restarts += 1
 
 
 def _stop_child(proc: subprocess.Popen[bytes], wait_s: float) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + wait_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if proc.poll() is None:
+    try:
+        proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

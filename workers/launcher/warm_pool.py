@@ -35,12 +35,11 @@ class WarmAgentPool:
         self, base_env: Mapping[str, str], enabled: bool = True, spawn_when_idle: bool = False
     ) -> None:
         self.base_env, self.enabled, self.spawn_when_idle = dict(base_env), enabled, spawn_when_idle
-        self._running = 0
-        self._idle = threading.Event()
-        self._idle.set()
+        self._running = 0  # nodes between node_running()'s enter and exit
         self.python = sys.executable
         self._spare: subprocess.Popen[bytes] | None = None
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # _running fell to 0, or closing
         self._wanted = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._spawn_loop, name="torchjobs-warm-agents", daemon=True)
@@ -64,20 +63,19 @@ class WarmAgentPool:
         and on a CPU worker the cores are the very slots its jobs train on."""
         with self._lock:
             self._running += 1
-            self._idle.clear()
         try:
             yield
         finally:
             with self._lock:
                 self._running -= 1
-                if self._running == 0:
-                    self._idle.set()
+                self._changed.notify_all()
 
     def close(self) -> None:
         self._stopping.set()
         self._wanted.set()
         with self._lock:
             spare, self._spare = self._spare, None
+            self._changed.notify_all()
         if spare is not None:
             _retire(spare)
 
@@ -145,9 +143,8 @@ class WarmAgentPool:
 
     def _wait_idle(self) -> bool:
         """Until no node runs; False if the pool closes first."""
-        while not self._idle.wait(0.5):
-            if self._stopping.is_set():
-                return False
+        with self._changed:
+            self._changed.wait_for(lambda: self._running == 0 or self._stopping.is_set())
         return not self._stopping.is_set()
 
     def _spawn(self) -> subprocess.Popen[bytes]:
