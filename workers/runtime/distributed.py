@@ -7,6 +7,8 @@ torchvision's reference `utils.py` does, so the trainer has one code path for ev
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,10 @@ import torch
 import torch.distributed as dist
 
 from workers.runtime.plan import RunPlan
+
+# How much training may pass between two exchanges of the ranks' SIGTERM flags (StopAgreement).
+STOP_EXCHANGE_S = 0.2
+STOP_EXCHANGE_MAX_STEPS = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,24 +97,51 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def exchange_every(slowest_step_s: float) -> int:
+    """Steps between two stop-flag exchanges: about `STOP_EXCHANGE_S` of the slowest rank's
+    training, at least 1 and at most `STOP_EXCHANGE_MAX_STEPS`."""
+    if slowest_step_s <= 0:
+        return 1
+    return max(1, min(STOP_EXCHANGE_MAX_STEPS, int(STOP_EXCHANGE_S / slowest_step_s)))
+
+
 class StopAgreement:
     """Decides, identically on every rank, after which step to stop for a SIGTERM.
 
     Ranks receive the signal at slightly different steps; if each stopped on its own, one would
-    wait forever in the next step's all-reduce. So each rank posts its flag after every step as an
-    asynchronous all-reduce (MAX) and reads the previous step's result: every rank sees the same
-    value at the same step, and the exchange overlaps the next step's compute instead of
-    stalling it. A rank therefore stops at most one step after the step it was in.
+    wait forever in the next step's all-reduce. So the ranks exchange their flags (and their
+    step times) in an asynchronous all-reduce (MAX), and each exchange's result is read at the
+    next one: every rank sees the same value at the same step, and the exchange overlaps the
+    training in between instead of stalling it.
+
+    One exchange per step cost a measurable share of a small model's step on a CPU host
+    (about 6% at 9 ms steps, 2 gloo ranks), so exchanges are spaced to about
+    `STOP_EXCHANGE_S` of training, at the pace of the slowest rank. The spacing is computed
+    from the exchanged values alone, so it is the same on every rank. A rank stops at most two
+    spacings (under half a second, or one step for slow models) after the signal and saves
+    where it stops: no step is lost, well inside torchrun's 30 s before SIGKILL.
     """
 
-    def __init__(self, ctx: DistContext) -> None:
+    def __init__(self, ctx: DistContext, clock: Callable[[], float] = time.monotonic) -> None:
         self._ctx = ctx
+        self._clock = clock
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self._every = 1
+        self._since = 0
+        self._posted_at: float | None = clock()
+
+    @property
+    def every(self) -> int:
+        """Steps between exchanges, as agreed at the last one."""
+        return self._every
 
     def after_step(self, local_stop: bool) -> bool:
         """True when every rank must stop now."""
         if not self._ctx.distributed:
             return local_stop
+        self._since += 1
+        if self._since < self._every:
+            return False
         agreed = self._collect()
         if not agreed:
             self._post(local_stop)
@@ -121,12 +154,19 @@ class StopAgreement:
         if self._collect():
             return True
         self._post(local_stop)
-        return self._collect()
+        stop = self._collect()
+        self._posted_at = None  # what follows (validation, saving) is not a training step's time
+        return stop
 
     def _post(self, flag: bool) -> None:
-        tensor = torch.tensor([int(flag)], dtype=torch.int32)
+        now = self._clock()
+        timed = self._posted_at is not None and self._since > 0
+        step_us = int((now - self._posted_at) / self._since * 1e6) if timed else 0
+        tensor = torch.tensor([int(flag), step_us], dtype=torch.int64)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._ctx.cpu_group, async_op=True)
         self._pending = (work, tensor)
+        self._posted_at = now
+        self._since = 0
 
     def _collect(self) -> bool:
         if self._pending is None:
@@ -134,4 +174,7 @@ class StopAgreement:
         work, tensor = self._pending
         self._pending = None
         work.wait()
-        return bool(tensor.item())
+        stop, slowest_step_us = tensor.tolist()
+        if slowest_step_us > 0:
+            self._every = exchange_every(slowest_step_us / 1e6)
+        return bool(stop)
