@@ -28,6 +28,12 @@ from service.config import Settings
 from service.notify import install_publisher
 
 READ_ONLY_OPTION = "torchjobs_read_only"
+# Connections per process: POOL_SIZE kept open, up to POOL_OVERFLOW more under load.
+POOL_SIZE = 10
+POOL_OVERFLOW = 20
+# Connections that request sessions leave to the process's other users (the scheduler thread,
+# the streams' short reads, the publisher): see `Database.request_sessions_max`.
+POOL_RESERVED = 4
 
 
 def _setup_sqlite(engine: Engine) -> None:
@@ -53,12 +59,17 @@ def make_engine(settings: Settings) -> Engine:
         db_path = url.split("///", 1)[-1]
         if db_path and db_path != ":memory:":
             Path(db_path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        engine = create_engine(
+            url,
+            connect_args={"timeout": 30, "check_same_thread": False},
+            pool_size=POOL_SIZE,
+            max_overflow=POOL_OVERFLOW,
+        )
         _setup_sqlite(engine)
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    return create_engine(url, pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW, pool_pre_ping=True)
 
 
 class Database:
@@ -76,6 +87,12 @@ class Database:
         if self.engine.dialect.name == "postgresql":
             options["isolation_level"] = "AUTOCOMMIT"
         return self.engine.execution_options(**options)
+
+    @property
+    def request_sessions_max(self) -> int:
+        """How many request-scoped sessions may exist at once (`service.api.deps`): fewer than
+        the pool's connections, so a request that holds one always gets a connection."""
+        return POOL_SIZE + POOL_OVERFLOW - POOL_RESERVED
 
     @property
     def is_postgres(self) -> bool:

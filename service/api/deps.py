@@ -41,17 +41,39 @@ async def get_settings(request: Request) -> Settings:
 
 
 async def get_session(request: Request, db: Annotated[Database, Depends(get_db)]) -> AsyncIterator[Session]:
-    """Commits when the handler returns, rolls back when it raises; nothing else commits."""
-    factory = db.read_sessionmaker if request.method in READ_METHODS else db.sessionmaker
-    session = factory()
-    committed = False
+    """Commits when the handler returns, rolls back when it raises; nothing else commits.
+
+    A request holds its session (and, from its first query, a pooled connection) across
+    thread-pool hops: its dependencies, its handler, its commit. Unbounded, that deadlocked
+    under load: with more requests in flight than threads plus connections, every thread
+    waited for a connection held by a request that was waiting for a thread (measured: 100
+    clients on GET /v1/jobs/{id}, 80 answers, then none until the pool's timeout). So a
+    request first takes one of `request_sessions_max` slots, on the event loop, holding
+    nothing; with a slot, a connection is always free."""
+    slots = _session_slots(request, db)
+    borrower = object()
+    await slots.acquire_on_behalf_of(borrower)
     try:
-        yield session
-        committed = True
+        factory = db.read_sessionmaker if request.method in READ_METHODS else db.sessionmaker
+        session = factory()
+        committed = False
+        try:
+            yield session
+            committed = True
+        finally:
+            # Shielded: a client that goes away mid-request must not leave the connection checked out.
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(_end_session, session, committed)
     finally:
-        # Shielded: a client that goes away mid-request must not leave the connection checked out.
-        with anyio.CancelScope(shield=True):
-            await run_in_threadpool(_end_session, session, committed)
+        slots.release_on_behalf_of(borrower)
+
+
+def _session_slots(request: Request, db: Database) -> anyio.CapacityLimiter:
+    """One limiter per application, made on first use inside its event loop (anyio needs one)."""
+    slots = getattr(request.app.state, "session_slots", None)
+    if slots is None:
+        slots = request.app.state.session_slots = anyio.CapacityLimiter(db.request_sessions_max)
+    return slots
 
 
 def _end_session(session: Session, commit: bool) -> None:

@@ -12,7 +12,7 @@ import hmac
 import os
 import secrets
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
@@ -58,9 +58,13 @@ def ensure_admin(session: Session, settings: Settings) -> None:
         admin.is_admin = True
 
 
+# Built once: every authenticated request runs it (see service/jobs/repository.py).
+_USER_BY_TOKEN_HASH = select(User).where(User.token_hash == bindparam("token_hash"))
+
+
 def user_for_token(session: Session, token: str) -> User | None:
     token_hash = hash_token(token)
-    user = session.execute(select(User).where(User.token_hash == token_hash)).scalar_one_or_none()
+    user = session.execute(_USER_BY_TOKEN_HASH, {"token_hash": token_hash}).scalar_one_or_none()
     if user is None or user.token_hash is None or not tokens_match(user.token_hash, token_hash):
         return None
     return user

@@ -4,18 +4,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, bindparam, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.models import Checkpoint, Job, JobAttempt, JobEvent, NodeRun, User
 
+# The statements of the job view (GET /v1/jobs/{id}, the busiest route) are built once, with
+# bind parameters: building a select() per request cost more than compiling it (SQLAlchemy
+# caches the compiled form, not the Python statement objects).
+_JOB_BY_ID = select(Job).where(Job.id == bindparam("job_id"))
+_OWNED_JOB_BY_ID = _JOB_BY_ID.where(Job.owner_id == bindparam("owner_id"))
+_NODE_RUNS_OF = (
+    select(NodeRun)
+    .where(NodeRun.job_id.in_(bindparam("job_ids", expanding=True)))
+    .order_by(NodeRun.node_rank)
+)
+_ATTEMPTS_OF = (
+    select(JobAttempt)
+    .where(JobAttempt.job_id.in_(bindparam("job_ids", expanding=True)))
+    .order_by(JobAttempt.attempt)
+)
+# A job's newest checkpoint: the highest id among its own, found through the job_id index.
+_LATEST_CHECKPOINTS_OF = select(Checkpoint).where(
+    Checkpoint.id.in_(
+        select(func.max(Checkpoint.id))
+        .where(Checkpoint.job_id.in_(bindparam("job_ids", expanding=True)))
+        .group_by(Checkpoint.job_id)
+    )
+)
+
 
 def get_job(session: Session, job_id: int, owner_id: int | None) -> Job | None:
     """`owner_id=None` is the admin's view: every job."""
-    query = select(Job).where(Job.id == job_id)
-    if owner_id is not None:
-        query = query.where(Job.owner_id == owner_id)
-    return session.execute(query).scalar_one_or_none()
+    if owner_id is None:
+        return session.execute(_JOB_BY_ID, {"job_id": job_id}).scalar_one_or_none()
+    return session.execute(_OWNED_JOB_BY_ID, {"job_id": job_id, "owner_id": owner_id}).scalar_one_or_none()
 
 
 def get_by_idempotency_key(session: Session, owner_id: int, key: str) -> Job | None:
@@ -49,28 +72,16 @@ def node_runs_for(session: Session, keys: set[tuple[int, int]]) -> list[NodeRun]
     few earlier attempts' rows it avoids reading."""
     if not keys:
         return []
-    runs = session.execute(
-        select(NodeRun).where(NodeRun.job_id.in_({j for j, _ in keys})).order_by(NodeRun.node_rank)
-    ).scalars()
+    runs = session.execute(_NODE_RUNS_OF, {"job_ids": sorted({j for j, _ in keys})}).scalars()
     return [r for r in runs if (r.job_id, r.attempt) in keys]
 
 
 def attempts_for(session: Session, job_ids: set[int]) -> Sequence[JobAttempt]:
-    return (
-        session.execute(select(JobAttempt).where(JobAttempt.job_id.in_(job_ids)).order_by(JobAttempt.attempt))
-        .scalars()
-        .all()
-    )
+    return session.execute(_ATTEMPTS_OF, {"job_ids": sorted(job_ids)}).scalars().all()
 
 
 def latest_checkpoints(session: Session, job_ids: set[int]) -> dict[int, Checkpoint]:
-    newest = (
-        select(func.max(Checkpoint.id).label("id"))
-        .where(Checkpoint.job_id.in_(job_ids))
-        .group_by(Checkpoint.job_id)
-        .subquery()
-    )
-    rows = session.execute(select(Checkpoint).join(newest, Checkpoint.id == newest.c.id)).scalars().all()
+    rows = session.execute(_LATEST_CHECKPOINTS_OF, {"job_ids": sorted(job_ids)}).scalars().all()
     return {c.job_id: c for c in rows if c.job_id is not None}
 
 
