@@ -116,6 +116,7 @@ def caller_job(
 # sent (FastAPI's default runs yield-dependency exits after it). A client that got its 201
 # can read the job at once, and a commit that fails is a 5xx, never a 201 for nothing.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+BearerCreds = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 UserDep = Annotated[User, Depends(current_user)]
 AdminDep = Annotated[User, Depends(admin_user)]
 JobDep = Annotated[Job, Depends(caller_job)]
