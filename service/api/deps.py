@@ -26,6 +26,7 @@ from service.models import Job, User
 from service.schemas import MAX_ID
 
 bearer = HTTPBearer(auto_error=False, description="torchjobs bearer token")
+BearerCreds = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 # HTTP's safe methods: their routes only read, so their session is a read-only one
 # (`Database.read_sessionmaker`: no write lock on SQLite, no BEGIN/COMMIT on PostgreSQL).
 READ_METHODS = frozenset({"GET", "HEAD"})
@@ -88,7 +89,7 @@ def _end_session(session: Session, commit: bool) -> None:
 
 def current_user(
     session: Annotated[Session, Depends(get_session, scope="function")],
-    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    creds: BearerCreds,
 ) -> User:
     if creds is None or not creds.credentials or len(creds.credentials) > 512:
         raise Unauthorized()
@@ -116,7 +117,6 @@ def caller_job(
 # sent (FastAPI's default runs yield-dependency exits after it). A client that got its 201
 # can read the job at once, and a commit that fails is a 5xx, never a 201 for nothing.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
-BearerCreds = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 UserDep = Annotated[User, Depends(current_user)]
 AdminDep = Annotated[User, Depends(admin_user)]
 JobDep = Annotated[Job, Depends(caller_job)]

@@ -11,10 +11,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials
 from starlette.requests import ClientDisconnect
 
-from service.api.deps import DbDep, JobDep, SessionDep, SettingsDep, UserDep, bearer, current_user
+from service.api.deps import (
+    BearerCreds,
+    DbDep,
+    JobDep,
+    SessionDep,
+    SettingsDep,
+    UserDep,
+    current_user,
+)
 from service.checkpoints import service
 from service.checkpoints.schemas import CheckpointList
 from service.models import Checkpoint, User
@@ -34,7 +41,7 @@ def get_storage(request: Request) -> Storage:
     return storage
 
 
-def brief_user(db: DbDep, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> User:
+def brief_user(db: DbDep, creds: BearerCreds) -> User:
     """The caller, looked up in a short read of its own that ends before the handler runs."""
     with db.read() as session:
         return current_user(session, creds)
@@ -44,9 +51,7 @@ def caller_checkpoint(session: SessionDep, user: UserDep, ckpt_id: CkptId) -> Ch
     return service.get_checkpoint(session, user, ckpt_id)
 
 
-def caller_checkpoint_brief(
-    db: DbDep, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)], ckpt_id: CkptId
-) -> Checkpoint:
+def caller_checkpoint_brief(db: DbDep, creds: BearerCreds, ckpt_id: CkptId) -> Checkpoint:
     """`caller_checkpoint` in a short read of its own: a request-scoped session would stay open
     (on SQLite, holding the write lock) for as long as the download."""
     with db.read() as session:

@@ -6,13 +6,10 @@ Prometheus that scrapes from inside a private network without a token.
 
 from __future__ import annotations
 
-from typing import Annotated
-
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
-from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client.exposition import choose_encoder
 
-from service.api.deps import DbDep, SettingsDep, bearer, current_user
+from service.api.deps import BearerCreds, DbDep, SettingsDep, current_user
 from service.metrics.collector import AppMetrics
 from service.metrics.middleware import RequestLatencyMiddleware
 
@@ -29,7 +26,7 @@ def install(app: FastAPI) -> None:
 def scrape_allowed(
     settings: SettingsDep,
     db: DbDep,
-    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    creds: BearerCreds,
 ) -> None:
     """Checks the token in a short read of its own, not a request-long session (which would hold
     SQLite's write lock for the whole scrape)."""

@@ -9,10 +9,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request, Response
 from fastapi.responses import PlainTextResponse
-from fastapi.security import HTTPAuthorizationCredentials
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from service.api.deps import DbDep, JobDep, SessionDep, SettingsDep, bearer, caller_job, current_user
+from service.api.deps import (
+    BearerCreds,
+    DbDep,
+    JobDep,
+    SessionDep,
+    SettingsDep,
+    caller_job,
+    current_user,
+)
 from service.models import Job
 from service.schemas import MAX_ID
 from service.streams import service
@@ -44,7 +51,7 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def stream_job(
     db: DbDep,
-    creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)],
+    creds: BearerCreds,
     job_id: Annotated[int, Path(ge=1, le=MAX_ID)],
 ) -> Job:
     """`caller_job` in a read of its own that ends before the stream starts: a request-scoped
