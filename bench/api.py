@@ -14,7 +14,10 @@ each with its attempt and node rows) are inserted straight into the tables with 
 statement each, owned by the admin user the server created, so every figure is on a
 database of that size:
 
-* `GET /v1/jobs/{id}` (a succeeded job) against the bare `GET /v1/things/{id}`;
+* `GET /v1/jobs/{id}` of a succeeded job, and of a running job whose progress another
+  connection updates 5 times a second (each update invalidates its cached view), against the
+  bare `GET /v1/things/{id}` (a `def`, like the other floors) and, for reference, the same as
+  an `async def` (`GET /v1/async-things/{id}`: torchjobs' GET of one job is an `async def`);
 * `POST /v1/jobs` (a valid builtin spec) against the bare `POST /v1/things` (pydantic body);
 * `GET /v1/jobs` first page against the same at a page in the middle and at the oldest jobs,
   reached with `cursor`: keyset pagination should keep them flat.
@@ -45,6 +48,7 @@ from tests import harness
 
 LUA = Path(__file__).with_name("wrk_report.lua")
 CONNECTIONS = 32
+PROGRESS_WRITES_PER_S = 5.0  # on the running job, while everything is measured
 JOB_SPEC = {
     "name": "bench-api",
     "mode": "single",
@@ -198,9 +202,57 @@ def bulk_insert(pg_url: str, n: int) -> dict[str, int]:
             succeeded = conn.execute(
                 text("SELECT max(id) FROM jobs WHERE state = 'succeeded' AND name LIKE 'bulk-%'")
             ).scalar_one()
+            running = succeeded - 1
+            conn.execute(
+                text("UPDATE jobs SET state = 'running', finished_at = NULL WHERE id = :id"),
+                {"id": running},
+            )
     finally:
         engine.dispose()
-    return {"min": lo, "mid": (lo + hi) // 2, "max": hi, "count": count, "succeeded": succeeded}
+    return {
+        "min": lo,
+        "mid": (lo + hi) // 2,
+        "max": hi,
+        "count": count,
+        "succeeded": succeeded,
+        "running": running,
+    }
+
+
+class ProgressWriter:
+    """A worker's progress reports on the running job, from another connection, as a worker
+    host sends them: each commit changes the job's view, so GETs of it keep missing the
+    job-view cache now and then, as they do in production."""
+
+    def __init__(self, pg_url: str, job_id: int, per_s: float) -> None:
+        from sqlalchemy import create_engine
+
+        self.engine = create_engine(pg_url.replace("postgresql://", "postgresql+psycopg://", 1))
+        self.job_id, self.per_s = job_id, per_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.writes = 0
+
+    def __enter__(self) -> ProgressWriter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.engine.dispose()
+
+    def _run(self) -> None:
+        from sqlalchemy import text
+
+        while not self._stop.wait(1.0 / self.per_s):
+            self.writes += 1
+            progress = json.dumps({"epoch": 1, "epochs": 10, "step": self.writes, "total_steps": 10**6})
+            with self.engine.begin() as conn:
+                conn.execute(
+                    text("UPDATE jobs SET progress = CAST(:p AS json) WHERE id = :id"),
+                    {"p": progress, "id": self.job_id},
+                )
 
 
 def start_bare(scratch: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -257,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
                 # name: [(side, url, method, body, token)...], measured in turn each round
                 "get": [
                     ("service", f"{svc}/v1/jobs/{ids['succeeded']}", "GET", None, token),
+                    ("running", f"{svc}/v1/jobs/{ids['running']}", "GET", None, token),
                     ("bare", f"{bare_url}/v1/things/{ids['succeeded']}", "GET", None, token),
+                    ("bare async", f"{bare_url}/v1/async-things/{ids['succeeded']}", "GET", None, token),
                 ],
                 "list": [
                     ("first", f"{svc}/v1/jobs", "GET", None, token),
@@ -280,19 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                 if resp.status_code >= 300:
                     raise RuntimeError(f"{side[2]} {side[1]}: {resp.status_code} {resp.text[:300]}")
             results: dict[str, dict[str, list[dict[str, Any]]]] = {}
-            for name, sides in cases.items():
-                for _, url, method, b, tok in sides if not args.smoke else []:  # warm-up, not counted
-                    load(url, method=method, body=b, token=tok, seconds=2.0)
-                for i in range(args.runs):
-                    for side, url, method, b, tok in sides[i % len(sides) :] + sides[: i % len(sides)]:
-                        r = load(url, method=method, body=b, token=tok, seconds=args.seconds)
-                        results.setdefault(name, {}).setdefault(side, []).append(r)
-                        print(
-                            f"  {name} {side} run {i + 1}: {r['rps']:.0f} req/s p50 {r['p50_ms']:.1f} ms "
-                            f"p99 {r['p99_ms']:.1f} ms errors {r['errors']}",
-                            file=sys.stderr,
-                            flush=True,
-                        )
+            writer = ProgressWriter(pg_url, ids["running"], PROGRESS_WRITES_PER_S)
+            with writer:
+                measure(cases, results, args, load)
         finally:
             bare.terminate()
             bare.wait(timeout=15)
@@ -301,6 +345,28 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args.json, result)
     print_figures(result)
     return 0
+
+
+def measure(
+    cases: dict[str, list[tuple[str, str, str, str | None, str | None]]],
+    results: dict[str, dict[str, list[dict[str, Any]]]],
+    args: argparse.Namespace,
+    load: Any,
+) -> None:
+    """Each case's sides in turn, rotating who goes first each round."""
+    for name, sides in cases.items():
+        for _, url, method, b, tok in sides if not args.smoke else []:  # warm-up, not counted
+            load(url, method=method, body=b, token=tok, seconds=2.0)
+        for i in range(args.runs):
+            for side, url, method, b, tok in sides[i % len(sides) :] + sides[: i % len(sides)]:
+                r = load(url, method=method, body=b, token=tok, seconds=args.seconds)
+                results.setdefault(name, {}).setdefault(side, []).append(r)
+                print(
+                    f"  {name} {side} run {i + 1}: {r['rps']:.0f} req/s p50 {r['p50_ms']:.1f} ms "
+                    f"p99 {r['p99_ms']:.1f} ms errors {r['errors']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def make_result(
@@ -341,6 +407,28 @@ def make_result(
                     floor_name=floor_label,
                 )
             )
+    figs.append(
+        figure(
+            "GET /v1/jobs/{id} requests/s, against an async floor",
+            "req/s",
+            col("get", "service", "rps"),
+            col("get", "bare async", "rps"),
+            setup=setup,
+            floor_name="bare FastAPI GET, async def (no thread hop)",
+        )
+    )
+    for q, unit, key in (("requests/s", "req/s", "rps"), ("p50 latency", "ms", "p50_ms")):
+        figs.append(
+            figure(
+                f"GET /v1/jobs/{{id}} {q}, a running job",
+                unit,
+                col("get", "running", key),
+                col("get", "bare", key),
+                setup=f"{setup}, its progress written {PROGRESS_WRITES_PER_S:.0f}/s",
+                floor_name="bare FastAPI GET",
+                target=">= 0.5" if key == "rps" else "",
+            )
+        )
     for page in ("middle", "deep"):
         figs.append(
             figure(
@@ -373,6 +461,9 @@ def make_result(
         f"{tool}, {args.runs} run(s) x {args.seconds:.0f} s per endpoint, {CONNECTIONS} connections",
         f"{ids['count']:,} jobs in the table ({args.jobs:,} bulk-inserted in {insert_s:.1f} s); "
         f"list pages of 50: first, cursor={ids['mid']} (middle), cursor={ids['min'] + 51} (oldest)",
+        f"GET /v1/jobs/{{id}}: succeeded job {ids['succeeded']}, and running job {ids['running']} whose "
+        f"progress another connection updates {PROGRESS_WRITES_PER_S:.0f} times a second throughout "
+        "(each update invalidates its cached view: service/jobs/view_cache.py)",
     ]
     if any(errors.values()):
         notes.append("non-2xx or socket errors: " + ", ".join(f"{k}: {v}" for k, v in errors.items() if v))

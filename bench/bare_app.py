@@ -3,8 +3,9 @@ server` serves its app (service/cli/processes.py `run_server`).
 
     python -m bench.bare_app PORT
 
-Routes are plain `def` functions like torchjobs' own, so both pay FastAPI's thread-pool hop:
-`GET /v1/things/{id}` returns a small JSON dict, `POST /v1/things` parses a small pydantic body.
+Routes are plain `def` functions like most of torchjobs' own, so both pay FastAPI's thread-pool
+hop: `GET /v1/things/{id}` returns a small JSON dict, `POST /v1/things` parses a small pydantic
+body. `GET /v1/async-things/{id}` is the same GET as an `async def`, with no hop.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ class Body(BaseModel):
 
 @app.get("/v1/things/{thing_id}")
 def get_thing(thing_id: int) -> dict[str, Any]:
+    return {"id": thing_id, "name": "bench", "state": "queued", "mode": "single", "gpus_per_node": 1}
+
+
+@app.get("/v1/async-things/{thing_id}")
+async def get_thing_async(thing_id: int) -> dict[str, Any]:
+    """The same on the event loop, without the thread hop: the floor for torchjobs' GET of
+    one job, which is an `async def` answered from memory when it can be."""
     return {"id": thing_id, "name": "bench", "state": "queued", "mode": "single", "gpus_per_node": 1}
 
 

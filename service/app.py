@@ -25,6 +25,8 @@ from service.dashboard.router import router as dashboard_router
 from service.db import Database
 from service.errors import TorchJobsError
 from service.jobs.router import router as jobs_router
+from service.jobs.view_cache import ViewCache
+from service.jobs.view_feed import ViewFeed
 from service.metrics.router import install as install_metrics
 from service.metrics.router import router as metrics_router
 from service.notify import freed_signal_path, is_redis
@@ -60,9 +62,13 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
             listener = _freed_gpu_wakeups(settings, thread.wake)
             listener.start()
         app.state.scheduler = thread
+        app.state.view_cache = ViewCache(settings.job_view_cache_ttl_s)
+        view_feed = ViewFeed(db, app.state.view_cache)
+        await view_feed.start()
         try:
             yield
         finally:
+            await view_feed.stop()
             if listener is not None:
                 listener.stop()
             if thread is not None:

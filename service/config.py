@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     stream_read_concurrency: int = 8  # database reads in flight for all streams together
     logs_page_bytes: int = 1_048_576  # most bytes one GET .../logs answers
 
+    # GET /v1/jobs/{id} from memory while a change feed runs (service.jobs.view_cache); 0: off
+    job_view_cache_ttl_s: float = Field(5.0, ge=0)
+
     @cached_property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'torchjobs.db'}"

@@ -17,7 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from service.auth.tokens import user_for_token
+from service.auth.tokens import presented_token, user_for_token
 from service.config import Settings
 from service.db import Database
 from service.errors import Forbidden, Unauthorized
@@ -91,9 +91,7 @@ def current_user(
     session: Annotated[Session, Depends(get_session, scope="function")],
     creds: BearerCreds,
 ) -> User:
-    if creds is None or not creds.credentials or len(creds.credentials) > 512:
-        raise Unauthorized()
-    user = user_for_token(session, creds.credentials)
+    user = user_for_token(session, presented_token(creds))
     if user is None:
         raise Unauthorized()
     return user

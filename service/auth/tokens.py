@@ -12,13 +12,23 @@ import hmac
 import os
 import secrets
 
+from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
+from service.errors import Unauthorized
 from service.models import User
 
 ADMIN_NAME = "admin"
+MAX_TOKEN_CHARS = 512
+
+
+def presented_token(creds: HTTPAuthorizationCredentials | None) -> str:
+    """The bearer token of a request, or 401 before anything is looked up."""
+    if creds is None or not creds.credentials or len(creds.credentials) > MAX_TOKEN_CHARS:
+        raise Unauthorized()
+    return creds.credentials
 
 
 def new_token() -> str:

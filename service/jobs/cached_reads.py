@@ -1,0 +1,91 @@
+"""`GET /v1/jobs/{id}` from the job-view cache when it can, from the database when it must.
+
+A hit runs on the event loop and touches no connection: the token is hashed, the caller and
+the rendered view are looked up, and the caller's right to see the job is checked exactly as
+the database read checks it (an admin sees every job; anyone else only their own, and a job
+that is not theirs is a 404, as if it did not exist). A miss reads both in one thread-pool hop
+and stores what it read, unless something changed while it was reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi.security import HTTPAuthorizationCredentials
+from starlette.concurrency import run_in_threadpool
+
+from service.auth.tokens import hash_token, presented_token, user_for_token
+from service.db import Database
+from service.errors import NotFound, Unauthorized
+from service.jobs import service
+from service.jobs.states import QUEUED
+from service.jobs.view_cache import CachedCaller, CachedView, ViewCache
+
+Read = tuple[CachedCaller, CachedView | None]
+
+
+async def job_view_json(
+    db: Database, cache: ViewCache, creds: HTTPAuthorizationCredentials | None, job_id: int
+) -> bytes:
+    token = presented_token(creds)
+    token_hash = hash_token(token)
+    cache.refresh()
+    caller = cache.caller(token_hash)
+    cached = cache.view(job_id) if caller is not None else None
+    if caller is not None and cached is not None:
+        if not caller.is_admin and cached.owner_id != caller.user_id:
+            raise NotFound("job")
+        return cached.body
+    generation, read = _shared_read(db, cache, token, token_hash, job_id)
+    caller, view = await asyncio.shield(read)
+    cache.store_caller(token_hash, caller, generation)
+    if view is None:
+        raise NotFound("job")
+    cache.store_view(job_id, view, generation)
+    return view.body
+
+
+def _shared_read(
+    db: Database, cache: ViewCache, token: str, token_hash: str, job_id: int
+) -> tuple[int, asyncio.Future[Read]]:
+    """One database read for every miss of the same caller and job while nothing changed.
+
+    A change invalidates a job that every client is polling: without this, each client in
+    flight missed at once and read it again (measured: 32 clients, 5 progress updates a
+    second, most of the server's CPU spent re-reading one job). A request joins a read only
+    if no invalidation came between that read's start and its own arrival, so it never gets
+    an answer older than a change it could have seen. The read is its own task: a client
+    that goes away does not cancel it for the others."""
+    generation = cache.generation
+    key = (token_hash, job_id)
+    flight = cache.reads_in_flight.get(key)
+    if cache.enabled and flight is not None and flight[0] == generation:
+        return flight  # (with the cache off no change is signalled: nothing can be shared)
+    read: asyncio.Future[Read] = asyncio.ensure_future(run_in_threadpool(_read, db, token, job_id))
+    cache.reads_in_flight[key] = flight = (generation, read)
+
+    def landed(done: asyncio.Future[Read]) -> None:
+        if cache.reads_in_flight.get(key) is flight:
+            del cache.reads_in_flight[key]
+        if not done.cancelled():
+            done.exception()  # retrieved here, so an error nobody awaited is not logged as lost
+
+    read.add_done_callback(landed)
+    return flight
+
+
+def _read(db: Database, token: str, job_id: int) -> Read:
+    """The caller and, when they may see it, the job's rendered view; queued jobs' views are
+    returned but marked unstorable by their state (their queue position moves with others)."""
+    with db.read() as session:
+        user = user_for_token(session, token)
+        if user is None:
+            raise Unauthorized()
+        caller = CachedCaller(user_id=user.id, is_admin=user.is_admin)
+        try:
+            job = service.get_job(session, user, job_id)
+        except NotFound:
+            return caller, None
+        view = service.job_views(session, [job], viewer=user)[0]
+    body = view.model_dump_json().encode()
+    return caller, CachedView(owner_id=job.owner_id, body=body, storable=job.state != QUEUED)

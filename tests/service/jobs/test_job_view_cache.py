@@ -1,0 +1,333 @@
+"""GET /v1/jobs/{id} from memory, on both databases, never behind a commit for long.
+
+The app runs in-process with its real change feed (PostgreSQL LISTEN/NOTIFY through the
+triggers of migration 0002, or SQLite's data version); "elsewhere" is a second `Database`
+with its own engine and connections, as a worker process has. The TTL is set far above every
+wait here, so a change can only reach a GET through the feed or this process's own commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.security import HTTPAuthorizationCredentials
+from fastapi.testclient import TestClient
+from sqlalchemy import event, text, update
+
+from service.app import create_app
+from service.auth.tokens import ensure_admin
+from service.config import Settings
+from service.db import Database
+from service.jobs.cached_reads import job_view_json
+from service.jobs.view_cache import CachedView, ViewCache
+from service.jobs.view_feed import install_commit_invalidation
+from service.migrate import upgrade
+from service.models import Job, JobAttempt, User
+from tests.harness import wait_for
+
+TOKEN = "tj_view_cache_admin_token_0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TTL_S = 600.0  # no entry expires during a test: only the feed can refresh one
+FEED_S = 10.0  # how long a commit elsewhere may take to reach the cache (it takes milliseconds)
+
+
+@dataclass
+class App:
+    client: TestClient
+    elsewhere: Database
+    cache: ViewCache
+    postgres: bool
+    statements: list[str]
+
+    def get(self, job_id: int, headers: dict[str, str] = AUTH) -> Any:
+        return self.client.get(f"/v1/jobs/{job_id}", headers=headers)
+
+    def seen_soon(self, job_id: int, check: Any) -> dict[str, Any]:
+        """At once on SQLite (the data version is read before every look-up); on PostgreSQL
+        once the NOTIFY is delivered."""
+        if not self.postgres:
+            body = self.get(job_id).json()
+            assert check(body), body
+            return body
+
+        def changed() -> dict[str, Any] | None:
+            body = self.get(job_id).json()
+            return body if check(body) else None
+
+        return wait_for(changed, FEED_S, "the change to reach the cache")
+
+
+def make_settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
+    if request.param == "postgresql":
+        url = request.getfixturevalue("pg_url")
+    else:
+        url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    return Settings(
+        home=tmp_path,
+        database_url=url,
+        broker_url="filesystem://",
+        admin_token=TOKEN,
+        job_view_cache_ttl_s=TTL_S,
+    )
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def app(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[App]:
+    settings = make_settings(request, tmp_path)
+    upgrade(settings)
+    with running_app(settings) as running:
+        yield running
+
+
+@contextmanager
+def running_app(settings: Settings) -> Iterator[App]:
+    api = create_app(settings, scheduler=False)
+    elsewhere = Database(settings)
+    with TestClient(api) as client:
+        cache = api.state.view_cache
+        statements: list[str] = []
+        event.listen(api.state.db.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+        postgres = api.state.db.is_postgres
+        if postgres:
+            wait_for(lambda: cache.enabled, FEED_S, "the change feed to listen")
+        yield App(client, elsewhere, cache, postgres, statements)
+    elsewhere.dispose()
+
+
+def seed_job(db: Database, state: str = "running", owner: str = "admin") -> int:
+    with db.transaction() as session:
+        user = session.query(User).filter_by(name=owner).one()
+        job = Job(
+            owner_id=user.id,
+            name="cached",
+            state=state,
+            mode="single",
+            nodes=1,
+            gpus_per_node=1,
+            entrypoint={"kind": "builtin", "model": "cnn", "dataset": "digits"},
+            attempt=1,
+        )
+        session.add(job)
+        session.flush()
+        session.add(JobAttempt(job_id=job.id, attempt=1))
+        return job.id
+
+
+def test_a_repeated_get_reads_no_database(app: App) -> None:
+    job_id = seed_job(app.elsewhere)
+    first = app.get(job_id)
+    app.statements.clear()
+    hits = app.cache.hits
+    second = app.get(job_id)
+    assert second.status_code == 200 and second.content == first.content
+    assert app.cache.hits == hits + 2  # the caller and the view
+    assert app.statements == []
+    assert second.json()["state"] == "running"
+
+
+def test_a_commit_elsewhere_reaches_the_next_gets(app: App) -> None:
+    job_id = seed_job(app.elsewhere)
+    app.get(job_id)
+    app.get(job_id)
+    with app.elsewhere.transaction() as session:  # a worker's progress report
+        session.execute(update(Job).where(Job.id == job_id).values(progress={"epoch": 3, "epochs": 9}))
+    assert app.seen_soon(job_id, lambda b: b["progress"]["epoch"] == 3)
+    with app.elsewhere.transaction() as session:  # a retry: a new attempt row only
+        session.add(JobAttempt(job_id=job_id, attempt=2))
+    app.seen_soon(job_id, lambda b: [a["attempt"] for a in b["attempts"]] == [1, 2])
+    with app.elsewhere.transaction() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(state="succeeded"))
+    app.seen_soon(job_id, lambda b: b["state"] == "succeeded")
+
+
+def test_this_process_reads_its_own_writes_at_once(app: App) -> None:
+    job_id = seed_job(app.elsewhere)
+    assert app.get(job_id).json()["state"] == "running"
+    app.get(job_id)
+    assert app.client.post(f"/v1/jobs/{job_id}/cancel", headers=AUTH).status_code == 202
+    assert app.get(job_id).json()["state"] == "cancelling"
+
+
+def test_a_revoked_token_is_refused_at_once(app: App) -> None:
+    created = app.client.post("/v1/users", json={"name": "ann"}, headers=AUTH).json()
+    ann = {"Authorization": f"Bearer {created['token']}"}
+    job_id = seed_job(app.elsewhere, owner="ann")
+    assert app.get(job_id, ann).status_code == 200
+    assert app.get(job_id, ann).status_code == 200
+    assert app.client.delete(f"/v1/users/{created['id']}/tokens", headers=AUTH).status_code == 204
+    assert app.get(job_id, ann).status_code == 401
+
+
+def test_a_token_revoked_elsewhere_is_refused(app: App) -> None:
+    created = app.client.post("/v1/users", json={"name": "bob"}, headers=AUTH).json()
+    bob = {"Authorization": f"Bearer {created['token']}"}
+    job_id = seed_job(app.elsewhere, owner="bob")
+    app.get(job_id, bob)
+    assert app.get(job_id, bob).status_code == 200
+    with app.elsewhere.transaction() as session:
+        session.execute(update(User).where(User.id == created["id"]).values(token_hash=None))
+    if app.postgres:
+        wait_for(lambda: app.get(job_id, bob).status_code == 401, FEED_S, "the revocation")
+    else:
+        assert app.get(job_id, bob).status_code == 401
+
+
+def test_a_cached_job_stays_hidden_from_other_users(app: App) -> None:
+    created = app.client.post("/v1/users", json={"name": "eve"}, headers=AUTH).json()
+    eve = {"Authorization": f"Bearer {created['token']}"}
+    job_id = seed_job(app.elsewhere)
+    own = seed_job(app.elsewhere, owner="eve")
+    app.get(job_id)
+    assert app.get(own, eve).status_code == 200
+    hits = app.cache.hits
+    answer = app.get(job_id, eve)  # her caller and the admin's view, both from memory
+    assert app.cache.hits == hits + 2
+    assert answer.status_code == 404 and answer.json() == app.get(10**6, eve).json()
+    assert app.get(job_id, {"Authorization": "Bearer tj_nobody"}).status_code == 401
+
+
+def test_queued_jobs_are_read_every_time(app: App) -> None:
+    """A queued job's position moves when others are placed: it is never cached."""
+    first = seed_job(app.elsewhere, state="queued")
+    second = seed_job(app.elsewhere, state="queued")
+    assert app.get(second).json()["queue_position"] == 2
+    with app.elsewhere.transaction() as session:
+        session.execute(update(Job).where(Job.id == first).values(state="scheduled"))
+    assert app.get(second).json()["queue_position"] == 1
+
+
+@pytest.fixture
+def postgres_settings(pg_url: str, tmp_path: Path) -> Settings:
+    settings = Settings(
+        home=tmp_path,
+        database_url=pg_url,
+        broker_url="filesystem://",
+        admin_token=TOKEN,
+        job_view_cache_ttl_s=TTL_S,
+    )
+    upgrade(settings)
+    return settings
+
+
+def test_changes_made_while_the_feed_was_down_are_not_served(postgres_settings: Settings) -> None:
+    with running_app(postgres_settings) as app:
+        job_id = seed_job(app.elsewhere)
+        app.get(job_id)
+        with app.elsewhere.transaction() as session:
+            # kill the API's LISTEN connection, then commit before it is back
+            session.execute(
+                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'")
+            )
+        with app.elsewhere.transaction() as session:
+            session.execute(update(Job).where(Job.id == job_id).values(state="failed"))
+        wait_for(lambda: app.get(job_id).json()["state"] == "failed", FEED_S, "the change")
+        wait_for(lambda: app.cache.enabled, FEED_S, "the feed to listen again")
+        app.get(job_id)
+        hits = app.cache.hits
+        app.get(job_id)
+        assert app.cache.hits == hits + 2  # back in use
+
+
+def test_without_its_triggers_the_cache_stays_off(postgres_settings: Settings) -> None:
+    elsewhere = Database(postgres_settings)
+    with elsewhere.transaction() as session:
+        session.execute(text("DROP TRIGGER torchjobs_view_jobs ON jobs"))
+    elsewhere.dispose()
+    with running_app_unwaited(postgres_settings) as app:
+        job_id = seed_job(app.elsewhere)
+        for _ in range(3):
+            assert app.get(job_id).status_code == 200
+        assert app.cache.hits == 0 and not app.cache.enabled
+
+
+@contextmanager
+def running_app_unwaited(settings: Settings) -> Iterator[App]:
+    api = create_app(settings, scheduler=False)
+    elsewhere = Database(settings)
+    with TestClient(api) as client:
+        yield App(client, elsewhere, api.state.view_cache, True, [])
+    elsewhere.dispose()
+
+
+def test_this_process_commits_clear_the_cache_only_when_they_wrote(tmp_path: Path) -> None:
+    """Its own commits do not wait for the feed: a client reads its own write next request."""
+    settings = Settings(home=tmp_path, admin_token=TOKEN)
+    upgrade(settings)
+    db = Database(settings)
+    with db.transaction() as session:
+        ensure_admin(session, settings)
+    cache = ViewCache(ttl_s=TTL_S)
+    cache.enable()
+    install_commit_invalidation(db.sessionmaker, cache)
+    job_id = seed_job(db)
+    assert cache.view(job_id) is None
+
+    def primed() -> ViewCache:
+        cache.store_view(job_id, CachedView(owner_id=1, body=b"{}"), cache.generation)
+        return cache
+
+    primed()
+    with db.transaction() as session:
+        session.get(Job, job_id)  # a read-only pass, like an idle scheduler tick
+    assert cache.view(job_id) is not None
+    with pytest.raises(RuntimeError), db.transaction() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(state="failed"))
+        raise RuntimeError("rolled back")
+    assert cache.view(job_id) is not None
+    with db.transaction() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(state="failed"))
+    assert cache.view(job_id) is None
+    primed()
+    with db.transaction() as session:
+        session.get(Job, job_id).name = "renamed"  # an ORM flush
+    assert cache.view(job_id) is None
+    primed()
+    with db.transaction() as session:
+        session.execute(text("UPDATE jobs SET name = 'again' WHERE id = :id"), {"id": job_id})
+    assert cache.view(job_id) is None
+    db.dispose()
+
+
+def test_clients_that_miss_together_share_one_read(tmp_path: Path) -> None:
+    """After an invalidation every polling client misses at once: one read answers them all,
+    unless a change came in between (then the later ones read again)."""
+    settings = Settings(home=tmp_path, admin_token=TOKEN)
+    upgrade(settings)
+    db = Database(settings)
+    with db.transaction() as session:
+        ensure_admin(session, settings)
+    job_id = seed_job(db)
+    cache = ViewCache(ttl_s=TTL_S)
+    cache.enable()
+    creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=TOKEN)
+    reads: list[str] = []
+    event.listen(
+        db.engine,
+        "before_cursor_execute",
+        lambda *a: reads.append(a[2]) if a[2].startswith("SELECT") else None,
+    )
+
+    async def together(n: int, change_midway: bool = False) -> list[bytes]:
+        first = [asyncio.ensure_future(job_view_json(db, cache, creds, job_id)) for _ in range(n)]
+        if change_midway:
+            await asyncio.sleep(0)  # the first ones are in flight
+            cache.invalidate_job(job_id)
+        later = [asyncio.ensure_future(job_view_json(db, cache, creds, job_id)) for _ in range(n)]
+        return await asyncio.gather(*first, *later)
+
+    bodies = asyncio.run(together(10))
+    assert len(set(bodies)) == 1 and json.loads(bodies[0])["id"] == job_id
+    one_read = len(reads)
+    assert 0 < one_read <= 5, reads
+    cache.invalidate_all()
+    reads.clear()
+    asyncio.run(together(10, change_midway=True))
+    assert len(reads) == 2 * one_read, reads
+    db.dispose()
