@@ -29,6 +29,7 @@ small machine; the ratios are what to read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -37,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -49,6 +51,7 @@ from tests import harness
 LUA = Path(__file__).with_name("wrk_report.lua")
 CONNECTIONS = 32
 PROGRESS_WRITES_PER_S = 5.0  # on the running job, while everything is measured
+VISIBILITY_SAMPLES = 30
 JOB_SPEC = {
     "name": "bench-api",
     "mode": "single",
@@ -337,11 +340,18 @@ def main(argv: list[str] | None = None) -> int:
             writer = ProgressWriter(pg_url, ids["running"], PROGRESS_WRITES_PER_S)
             with writer:
                 measure(cases, results, args, load)
+            lags = {"cache": visibility(svc, pg_url, ids, token, args, load)}
+            with uncached_server(stack) as off:
+                results["get"]["cache off"] = [
+                    load(f"{off}/v1/jobs/{ids['succeeded']}", method="GET", body=None, token=token, seconds=s)
+                    for s in [args.seconds] * args.runs
+                ]
+                lags["cache off"] = visibility(off, pg_url, ids, token, args, load)
         finally:
             bare.terminate()
             bare.wait(timeout=15)
 
-    result = make_result(results, args, ids, insert_s, load is wrk)
+    result = make_result(results, args, ids, insert_s, load is wrk, lags)
     write_result(args.json, result)
     print_figures(result)
     return 0
@@ -369,12 +379,87 @@ def measure(
                 )
 
 
+@contextlib.contextmanager
+def uncached_server(stack: harness.Stack) -> Iterator[str]:
+    """A second `torchjobs server` (API only) on the same database with the job-view cache
+    off: what every GET cost before it, and the staleness floor of reading the database."""
+    port = harness.free_port()
+    stack._spawn(
+        "server-cache-off",
+        ["server", "--no-scheduler", "--port", str(port)],
+        {"TORCHJOBS_JOB_VIEW_CACHE_TTL_S": "0"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        harness.wait_for(lambda: _healthy(url), 60, "the cache-off server")
+        yield url
+    finally:
+        proc = stack.procs.pop("server-cache-off")
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def visibility(
+    svc: str, pg_url: str, ids: dict[str, int], token: str, args: argparse.Namespace, load: Any
+) -> dict[str, list[float]]:
+    """How long a commit made elsewhere (a worker's progress report) takes to show on
+    `GET /v1/jobs/{id}`: the job-view cache's staleness, which the NOTIFY's delivery bounds.
+    Measured with the server idle, and while wrk loads it with GETs of another job."""
+    lags: dict[str, list[float]] = {}
+    n = 5 if args.smoke else VISIBILITY_SAMPLES
+    lags["idle"] = commit_to_get(svc, pg_url, ids["running"], token, n)
+    loader = threading.Thread(
+        target=load,
+        args=(f"{svc}/v1/jobs/{ids['succeeded']}",),
+        kwargs={"method": "GET", "body": None, "token": token, "seconds": max(3.0, args.seconds)},
+    )
+    loader.start()
+    time.sleep(1.0)
+    lags["loaded"] = commit_to_get(svc, pg_url, ids["running"], token, n)
+    loader.join()
+    return lags
+
+
+def commit_to_get(svc: str, pg_url: str, job_id: int, token: str, n: int) -> list[float]:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(pg_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    lags = []
+    try:
+        with httpx.Client(base_url=svc, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+            for k in range(n):
+                marker = 10**8 + k + int(time.time() * 1000) % 10**7
+                client.get(f"/v1/jobs/{job_id}")  # cached before the change
+                with engine.begin() as conn:
+                    conn.execute(
+                        text("UPDATE jobs SET progress = CAST(:p AS json) WHERE id = :id"),
+                        {"p": json.dumps({"step": marker, "total_steps": 10**9}), "id": job_id},
+                    )
+                committed = time.perf_counter()
+                while client.get(f"/v1/jobs/{job_id}").json()["progress"]["step"] != marker:
+                    if time.perf_counter() - committed > 30:
+                        raise RuntimeError("a commit did not reach GET /v1/jobs/{id} in 30 s")
+                lags.append((time.perf_counter() - committed) * 1000)
+                time.sleep(0.05)
+    finally:
+        engine.dispose()
+    return lags
+
+
 def make_result(
     results: dict[str, dict[str, list[dict[str, Any]]]],
     args: argparse.Namespace,
     ids: dict[str, int],
     insert_s: float,
     used_wrk: bool,
+    lags: dict[str, dict[str, list[float]]],
 ) -> dict[str, Any]:
     def col(name: str, side: str, key: str) -> list[float]:
         return [r[key] for r in results[name][side]]
@@ -427,6 +512,31 @@ def make_result(
                 setup=f"{setup}, its progress written {PROGRESS_WRITES_PER_S:.0f}/s",
                 floor_name="bare FastAPI GET",
                 target=">= 0.5" if key == "rps" else "",
+            )
+        )
+    figs.append(
+        figure(
+            "GET /v1/jobs/{id} requests/s, job-view cache off",
+            "req/s",
+            col("get", "cache off", "rps"),
+            col("get", "bare", "rps"),
+            setup=setup,
+            floor_name="bare FastAPI GET",
+            paired=False,
+            note="TORCHJOBS_JOB_VIEW_CACHE_TTL_S=0: every GET reads the database (5 queries)",
+        )
+    )
+    for when, label in (("idle", "server idle"), ("loaded", f"server under {CONNECTIONS} GET clients")):
+        figs.append(
+            figure(
+                f"commit elsewhere -> seen by GET /v1/jobs/{{id}}, {label}",
+                "ms",
+                lags["cache"][when],
+                lags["cache off"][when],
+                setup="PostgreSQL (NOTIFY)",
+                floor_name="the same with the cache off",
+                paired=False,
+                note="the cache's staleness, including the GET that sees the change",
             )
         )
     for page in ("middle", "deep"):
