@@ -21,7 +21,7 @@ import logging
 import sqlite3
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import TextClause, event
 from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker
 
 from service.db import Database
@@ -126,7 +126,7 @@ def install_commit_invalidation(factory: sessionmaker[Session], cache: ViewCache
 
     @event.listens_for(factory, "do_orm_execute")
     def _executed(state: ORMExecuteState) -> None:
-        if not state.is_select:
+        if _may_write(state):
             state.session.info[WROTE] = True
 
     @event.listens_for(factory, "after_commit")
@@ -138,6 +138,15 @@ def install_commit_invalidation(factory: sessionmaker[Session], cache: ViewCache
     def _ended(session: Session, transaction: Any) -> None:
         if transaction.parent is None:  # a rolled-back write never reached anyone
             session.info.pop(WROTE, None)
+
+
+def _may_write(state: ORMExecuteState) -> bool:
+    """Textual SQL counts as a write unless it is a SELECT (the scheduler's advisory lock is
+    one, every pass: it must not empty the cache each second)."""
+    statement = state.statement
+    if isinstance(statement, TextClause):
+        return statement.text.lstrip()[:6].upper() != "SELECT"
+    return not state.is_select
 
 
 class ViewFeed:
