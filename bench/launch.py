@@ -114,6 +114,11 @@ def first_step_ts(reports: list[dict[str, Any]], key: str) -> float | None:
     return None
 
 
+def last_report_ts(reports: list[dict[str, Any]], key: str) -> float | None:
+    stamps = [float(r[key]) for r in reports if r.get(key) is not None]
+    return max(stamps) if stamps else None
+
+
 def last_throughput(reports: list[dict[str, Any]]) -> float | None:
     values = [r["samples_per_sec"] for r in reports if r.get("samples_per_sec") is not None]
     return float(values[-1]) if values else None
@@ -159,9 +164,10 @@ def run_bare(spec: dict[str, Any], where: Path, timeout: float) -> dict[str, Any
     if rc != 0:
         raise RuntimeError(f"bare torchrun exited {rc}: {(where / 'torchrun.log').read_text()[-2000:]}")
     reports = [json.loads(line) for line in events.read_text().splitlines() if line.strip()]
-    first = first_step_ts(reports, "ts")
+    first, last = first_step_ts(reports, "ts"), last_report_ts(reports, "ts")
     return {
         "first_step_s": None if first is None else first - t0,
+        "last_report_s": None if last is None else last - t0,
         "wall_s": t_exit - t0,
         "samples_per_sec": last_throughput(reports),
     }
@@ -192,8 +198,10 @@ def run_service(stack: harness.Stack, spec: dict[str, Any], timeout: float) -> d
         stored = [parse_ts(e["ts"]) for e in events if e["type"] == "progress" and e["data"].get("step")]
         first, clock = (stored[0] if stored else None), "stored"
     states = {e["data"]["state"]: parse_ts(e["ts"]) for e in events if e["type"] == "state"}
+    last = last_report_ts(reports, "reported_at")
     return {
         "first_step_s": None if first is None else first - t0,
+        "last_report_s": None if last is None else last - t0,
         "wall_s": parse_ts(job["finished_at"]) - t0,
         "samples_per_sec": last_throughput(reports),
         "clock": clock,
@@ -315,6 +323,31 @@ def details(results: dict[str, dict[str, dict[str, list[dict[str, Any]]]]]) -> s
                 f"| {setup} | {kind.split('-', 1)[1]} | {med('to_scheduled_s')} | {med('to_running_s')} "
                 f"| {med('first_step_s')} | {med('first_step_s', sides['bare'])} |"
             )
+    rows += [
+        "",
+        "Where the whole job's time goes (medians, seconds from the POST or the Popen; the first "
+        "two on the rank's own clock, the end is `finished_at` through the service and the exit "
+        "of torchrun by hand):",
+        "",
+        "| setup | side | -> first step | first step -> last report | last report -> end | whole |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for setup, data in results.items():
+        for kind, sides in data.items():
+            if not kind.startswith("long"):
+                continue
+            for side in ("service", "bare"):
+                runs = [r for r in sides[side] if "error" not in r and r.get("last_report_s") is not None]
+
+                def span(a: str, b: str | None, runs: list[dict[str, Any]] = runs) -> str:
+                    value = summary([r[b] - (r[a] if a else 0.0) for r in runs] if b else [])["median"]
+                    return "–" if value is None else f"{value:.2f}"
+
+                rows.append(
+                    f"| {setup} | {side} | {span('', 'first_step_s')} | "
+                    f"{span('first_step_s', 'last_report_s')} | {span('last_report_s', 'wall_s')} | "
+                    f"{span('', 'wall_s')} |"
+                )
     return "\n".join(rows)
 
 
@@ -328,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["single", "ddp"], choices=["single", "ddp"])
     parser.add_argument("--runs", type=int, default=5, help="launch runs per mode and setup")
     parser.add_argument("--long-modes", nargs="+", default=["ddp"], choices=["single", "ddp"])
-    parser.add_argument("--long-runs", type=int, default=3)
+    parser.add_argument("--long-runs", type=int, default=5)
     parser.add_argument("--synthetic-size", type=int, default=49152, help="of the ~1 minute job")
     parser.add_argument("--epochs", type=int, default=4, help="of the ~1 minute job")
     parser.add_argument("--artifacts", type=Path, default=REPO / "test-artifacts" / "bench" / "launch")
