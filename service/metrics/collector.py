@@ -11,12 +11,13 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from service.db import Database
 from service.jobs.states import ALL_STATES
+from service.jobs.view_cache import ViewCache
 from service.metrics import repository as repo
 from service.workers import service as workers_service
 
@@ -103,10 +104,41 @@ def queue_wait_histogram(waits: Sequence[float]) -> HistogramMetricFamily:
     return family
 
 
-class AppMetrics:
-    """One app's registry: the request-latency histogram and the database collector."""
+class ViewCacheCollector(Collector):
+    """This API process's job-view cache (service/jobs/view_cache.py): whether its change feed
+    is up (0 means every GET of a job reads the database) and how often it answered."""
 
-    def __init__(self, database: Callable[[], Database]) -> None:
+    def __init__(self, cache: Callable[[], ViewCache | None]) -> None:
+        self._cache = cache
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        cache = self._cache()
+        if cache is None:
+            return
+        enabled = GaugeMetricFamily(
+            "torchjobs_job_view_cache_enabled",
+            "1 while this process serves GET /v1/jobs/{id} from memory (its change feed is up).",
+        )
+        enabled.add_metric([], 1 if cache.enabled else 0)
+        yield enabled
+        for name, value, what in (("hits", cache.hits, "answered"), ("misses", cache.misses, "missed")):
+            counter = CounterMetricFamily(
+                f"torchjobs_job_view_cache_{name}", f"Look-ups (callers and views) the cache {what}."
+            )
+            counter.add_metric([], value)
+            yield counter
+
+
+class AppMetrics:
+    """One app's registry: the request-latency histogram, the database collector and the
+    job-view cache's counters."""
+
+    def __init__(
+        self, database: Callable[[], Database], view_cache: Callable[[], ViewCache | None] = lambda: None
+    ) -> None:
         self.registry = CollectorRegistry()
         self.http_latency = Histogram(
             "torchjobs_http_request_duration_seconds",
@@ -116,3 +148,4 @@ class AppMetrics:
             registry=self.registry,
         )
         self.registry.register(DatabaseCollector(database))
+        self.registry.register(ViewCacheCollector(view_cache))

@@ -18,7 +18,9 @@ router = APIRouter(tags=["metrics"])
 
 def install(app: FastAPI) -> None:
     """Give the app its own registry and time every request; call once, in `create_app`."""
-    metrics = AppMetrics(database=lambda: app.state.db)
+    metrics = AppMetrics(
+        database=lambda: app.state.db, view_cache=lambda: getattr(app.state, "view_cache", None)
+    )
     app.state.metrics = metrics
     app.add_middleware(RequestLatencyMiddleware, histogram=metrics.http_latency)
 

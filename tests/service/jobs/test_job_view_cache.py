@@ -130,6 +130,9 @@ def test_a_repeated_get_reads_no_database(app: App) -> None:
     assert app.cache.hits == hits + 2  # the caller and the view
     assert app.statements == []
     assert second.json()["state"] == "running"
+    scraped = app.client.get("/metrics", headers=AUTH).text
+    assert "torchjobs_job_view_cache_enabled 1.0" in scraped
+    assert f"torchjobs_job_view_cache_hits_total {float(app.cache.hits)}" in scraped
 
 
 def test_a_commit_elsewhere_reaches_the_next_gets(app: App) -> None:
@@ -245,6 +248,7 @@ def test_without_its_triggers_the_cache_stays_off(postgres_settings: Settings) -
         for _ in range(3):
             assert app.get(job_id).status_code == 200
         assert app.cache.hits == 0 and not app.cache.enabled
+        assert "torchjobs_job_view_cache_enabled 0.0" in app.client.get("/metrics", headers=AUTH).text
 
 
 @contextmanager
