@@ -14,9 +14,10 @@ import asyncio
 from fastapi.security import HTTPAuthorizationCredentials
 from starlette.concurrency import run_in_threadpool
 
-from service.auth.tokens import hash_token, presented_token, user_for_token
+from service.api.deps import current_user
+from service.auth.tokens import hash_token, presented_token
 from service.db import Database
-from service.errors import NotFound, Unauthorized
+from service.errors import NotFound
 from service.jobs import service
 from service.jobs.states import QUEUED
 from service.jobs.view_cache import CachedCaller, CachedView, ViewCache
@@ -27,8 +28,7 @@ Read = tuple[CachedCaller, CachedView | None]
 async def job_view_json(
     db: Database, cache: ViewCache, creds: HTTPAuthorizationCredentials | None, job_id: int
 ) -> bytes:
-    token = presented_token(creds)
-    token_hash = hash_token(token)
+    token_hash = hash_token(presented_token(creds))
     cache.refresh()
     caller = cache.caller(token_hash)
     cached = cache.view(job_id) if caller is not None else None
@@ -36,7 +36,7 @@ async def job_view_json(
         if not caller.is_admin and cached.owner_id != caller.user_id:
             raise NotFound("job")
         return cached.body
-    generation, read = _shared_read(db, cache, token, token_hash, job_id)
+    generation, read = _shared_read(db, cache, creds, token_hash, job_id)
     caller, view = await asyncio.shield(read)
     cache.store_caller(token_hash, caller, generation)
     if view is None:
@@ -46,7 +46,11 @@ async def job_view_json(
 
 
 def _shared_read(
-    db: Database, cache: ViewCache, token: str, token_hash: str, job_id: int
+    db: Database,
+    cache: ViewCache,
+    creds: HTTPAuthorizationCredentials | None,
+    token_hash: str,
+    job_id: int,
 ) -> tuple[int, asyncio.Future[Read]]:
     """One database read for every miss of the same caller and job while nothing changed.
 
@@ -61,7 +65,7 @@ def _shared_read(
     flight = cache.reads_in_flight.get(key)
     if cache.enabled and flight is not None and flight[0] == generation:
         return flight  # (with the cache off no change is signalled: nothing can be shared)
-    read: asyncio.Future[Read] = asyncio.ensure_future(run_in_threadpool(_read, db, token, job_id))
+    read: asyncio.Future[Read] = asyncio.ensure_future(run_in_threadpool(_read, db, creds, job_id))
     cache.reads_in_flight[key] = flight = (generation, read)
 
     def landed(done: asyncio.Future[Read]) -> None:
@@ -74,13 +78,11 @@ def _shared_read(
     return flight
 
 
-def _read(db: Database, token: str, job_id: int) -> Read:
+def _read(db: Database, creds: HTTPAuthorizationCredentials | None, job_id: int) -> Read:
     """The caller and, when they may see it, the job's rendered view; queued jobs' views are
     returned but marked unstorable by their state (their queue position moves with others)."""
     with db.read() as session:
-        user = user_for_token(session, token)
-        if user is None:
-            raise Unauthorized()
+        user = current_user(session, creds)
         caller = CachedCaller(user_id=user.id, is_admin=user.is_admin)
         try:
             job = service.get_job(session, user, job_id)

@@ -99,10 +99,6 @@ def get_job(session: Session, user: User, job_id: int) -> Job:
     return job
 
 
-def job_view(session: Session, user: User, job_id: int) -> JobOut:
-    return job_views(session, [get_job(session, user, job_id)], viewer=user)[0]
-
-
 def list_jobs(session: Session, user: User, state: str | None, limit: int, cursor: str | None) -> JobList:
     if state is not None and state not in ALL_STATES:
         raise InvalidSpec(("state",), f"unknown state; one of {', '.join(ALL_STATES)}")
