@@ -49,7 +49,9 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             gpus=len(launch.gpus),
             hooks=Hooks(
                 write_batch=lambda b: reporter.write_batch(ctx.db, key, b),
-                record_checkpoint=lambda p, m: reporter.record_checkpoint(ctx.db, ctx.storage, key, p, m),
+                record_checkpoint=lambda p, m, v: reporter.record_checkpoint(
+                    ctx.db, ctx.storage, key, p, m, v
+                ),
                 job_control=lambda: reporter.job_control(ctx.db, job_id),
             ),
             grace_s=ctx.settings.cancel_grace_s,

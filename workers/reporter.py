@@ -100,10 +100,14 @@ def _clean(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def record_checkpoint(
-    db: Database, storage: Storage, key: NodeKey, path: Path, meta: dict[str, Any] | None
+    db: Database, storage: Storage, key: NodeKey, path: Path, meta: dict[str, Any] | None, version: int = 0
 ) -> int | None:
-    """Upload first (outside any transaction), then record the row and its event together."""
-    storage_key = f"jobs/{key.job_id}/attempt-{key.attempt}/{path.name}"
+    """Upload first (outside any transaction), then record the row and its event together.
+
+    A name written again (`version` > 0) is stored beside the earlier files of that name, never
+    over them: each is a Checkpoint of its own, downloadable and resumable."""
+    folder = f"jobs/{key.job_id}/attempt-{key.attempt}" + (f"/v{version}" if version else "")
+    storage_key = f"{folder}/{path.name}"
     size, sha = storage.put_file(str(path), storage_key)
     meta = meta or {}
     with db.transaction() as session:

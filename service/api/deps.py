@@ -9,7 +9,7 @@ first query) and ends in one hop: a GET pays for its queries, not for thread han
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, cast
 
 import anyio
 from fastapi import Depends, Path, Request
@@ -31,6 +31,17 @@ BearerCreds = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 # (`Database.read_sessionmaker`: no write lock on SQLite, no BEGIN/COMMIT on PostgreSQL).
 READ_METHODS = frozenset({"GET", "HEAD"})
 JobIdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
+
+
+async def presented_creds(creds: BearerCreds) -> HTTPAuthorizationCredentials:
+    """A bearer token is there (not yet checked). FastAPI solves dependencies before it
+    validates the route's own path: with this, a request without a token is a 401 before a
+    malformed id is a 422, as on the routes whose dependencies look the user up."""
+    presented_token(creds)
+    return cast(HTTPAuthorizationCredentials, creds)  # presented_token raised if it is None
+
+
+PresentedCreds = Annotated[HTTPAuthorizationCredentials, Depends(presented_creds)]
 
 
 async def get_db(request: Request) -> Database:

@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from service.api.deps import (
-    BearerCreds,
     DbDep,
     JobDep,
+    PresentedCreds,
     SessionDep,
     SettingsDep,
     UserDep,
@@ -41,7 +41,7 @@ def get_storage(request: Request) -> Storage:
     return storage
 
 
-def brief_user(db: DbDep, creds: BearerCreds) -> User:
+def brief_user(db: DbDep, creds: PresentedCreds) -> User:
     """The caller, looked up in a short read of its own that ends before the handler runs."""
     with db.read() as session:
         return current_user(session, creds)
@@ -51,7 +51,7 @@ def caller_checkpoint(session: SessionDep, user: UserDep, ckpt_id: CkptId) -> Ch
     return service.get_checkpoint(session, user, ckpt_id)
 
 
-def caller_checkpoint_brief(db: DbDep, creds: BearerCreds, ckpt_id: CkptId) -> Checkpoint:
+def caller_checkpoint_brief(db: DbDep, creds: PresentedCreds, ckpt_id: CkptId) -> Checkpoint:
     """`caller_checkpoint` in a short read of its own: a request-scoped session would stay open
     (on SQLite, holding the write lock) for as long as the download."""
     with db.read() as session:

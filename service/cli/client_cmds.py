@@ -7,7 +7,10 @@ Every command takes `--output json` for scripts. `watch` exits 0 when the job su
 from __future__ import annotations
 
 import json
+import re
 import sys
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,7 +34,22 @@ TokenOpt = Annotated[str | None, typer.Option("--token", help="bearer token (TOR
 EXIT_BY_STATE = {"succeeded": 0, "failed": 1, "cancelled": 3}
 
 
+@dataclass(frozen=True)
+class ClientDefaults:
+    """`torchjobs --url U --token T COMMAND`: given before the command, for every command."""
+
+    url: str | None = None
+    token: str | None = None
+
+
+# Set by the app's callback (service/cli/main.py), which runs before the command in the
+# same process; typer vendors click and keeps no public "current context" to read it from.
+CLIENT_DEFAULTS: ContextVar[ClientDefaults | None] = ContextVar("client_defaults", default=None)
+
+
 def make_client(url: str | None, token: str | None) -> Client:
+    defaults = CLIENT_DEFAULTS.get() or ClientDefaults()
+    url, token = url or defaults.url, token or defaults.token
     settings = Settings()
     token = token or settings.token or settings.admin_token
     if token is None and settings.admin_token_file.exists():
@@ -62,8 +80,35 @@ def set_path(spec: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class SpecLoader(yaml.SafeLoader):
+    """YAML 1.1 (PyYAML) reads `lr: 1e-3` as the string "1e-3" (a float needs a dot there); a
+    spec file means the number, as YAML 1.2 and JSON do."""
+
+
+SpecLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=SpecLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def env_as_text(spec: dict[str, Any]) -> None:
+    """`env: {OMP_NUM_THREADS: 1}` in YAML is a number; the ranks' environment is text."""
+    env = spec.get("env")
+    if isinstance(env, dict):
+        for key, value in env.items():
+            if isinstance(value, bool):
+                env[key] = "true" if value else "false"
+            elif isinstance(value, int | float):
+                env[key] = str(value)
+
+
 def build_spec(file: Path | None, sets: list[str], flags: dict[str, Any]) -> dict[str, Any]:
-    spec: dict[str, Any] = yaml.safe_load(file.read_text()) if file else {}
+    spec: dict[str, Any] = load_yaml(file.read_text()) if file else {}
     if not isinstance(spec, dict):
         raise typer.BadParameter("the spec file must hold a mapping")
     for key, value in flags.items():
@@ -73,7 +118,8 @@ def build_spec(file: Path | None, sets: list[str], flags: dict[str, Any]) -> dic
         key, sep, raw = item.partition("=")
         if not sep:
             raise typer.BadParameter(f"--set takes key=value, got {item!r}")
-        set_path(spec, key.strip(), yaml.safe_load(raw))
+        set_path(spec, key.strip(), load_yaml(raw))
+    env_as_text(spec)
     spec.setdefault("entrypoint", {"kind": "builtin", "model": "cnn", "dataset": "digits"})
     spec.setdefault("mode", "single")
     return spec

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import httpx
 import typer
 
 from service.cli import client_cmds
@@ -17,6 +18,13 @@ app = typer.Typer(
 db_app = typer.Typer(help="Database commands.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 client_cmds.register(app)
+
+
+@app.callback()
+def client_defaults(url: client_cmds.UrlOpt = None, token: client_cmds.TokenOpt = None) -> None:
+    """torchjobs: a small, sharp PyTorch training-job service. `--url`/`--token` given here
+    hold for the client command that follows (they may also follow the command)."""
+    client_cmds.CLIENT_DEFAULTS.set(client_cmds.ClientDefaults(url=url, token=token))
 
 
 @app.command()
@@ -65,7 +73,18 @@ def db_upgrade() -> None:
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except httpx.TransportError as exc:  # a client command that could not reach the server
+        typer.echo(f"error: could not reach {_target(exc)}: {exc or type(exc).__name__}", err=True)
+        raise SystemExit(2) from None
+
+
+def _target(exc: httpx.TransportError) -> str:
+    try:
+        return str(exc.request.url)
+    except RuntimeError:  # raised before a request was made
+        return "the server"
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def run_up(host: str, port: int, gpus: int | None, accelerator: str) -> None:
         cmd += ["--gpus", str(gpus)]
     worker = LocalWorkerKeeper(cmd, settings.cancel_grace_s + 10).start()
     token_where = "TORCHJOBS_ADMIN_TOKEN" if settings.admin_token else str(settings.admin_token_file)
-    typer.echo(f"torchjobs is up at http://{host}:{port}  (admin token: {token_where})", err=True)
+    typer.echo(f"torchjobs is up at http://{host}:{port}  (admin token: {token_where})")
     try:
         run_server(settings, host, port, scheduler=True)
     finally:

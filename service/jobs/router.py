@@ -5,10 +5,10 @@ from typing import Annotated
 from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
 
 from service.api.deps import (
-    BearerCreds,
     DbDep,
     JobDep,
     JobIdPath,
+    PresentedCreds,
     SessionDep,
     SettingsDep,
     UserDep,
@@ -66,7 +66,7 @@ def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobOut)
-async def get_job(job_id: JobIdPath, request: Request, db: DbDep, creds: BearerCreds) -> Response:
+async def get_job(job_id: JobIdPath, request: Request, db: DbDep, creds: PresentedCreds) -> Response:
     """The busiest route (every client polls it): from the job-view cache, on the event loop,
     while a change feed keeps the cache current; otherwise one short read in one thread-pool
     hop (`service.jobs.cached_reads`). The body is a `JobOut` serialised once."""

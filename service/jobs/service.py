@@ -118,7 +118,9 @@ def _parse_cursor(cursor: str | None) -> int | None:
 
 
 def cancel_job(session: Session, user: User, job_id: int) -> Job:
-    """Queued: cancelled at once. Placed or running: `cancelling`; the nodes finish the move."""
+    """Queued: through `cancelling` to `cancelled` at once (nothing runs; the contract's path
+    for every cancel, so a client following state events sees the same two). Placed or
+    running: `cancelling`; the nodes finish the move."""
     from service.errors import Conflict
     from service.jobs.states import lock_job
 
@@ -128,7 +130,10 @@ def cancel_job(session: Session, user: User, job_id: int) -> Job:
         return job
     if job.state in TERMINAL:
         raise Conflict(f"job {job.id} already {job.state}")
-    transition_job(session, job, CANCELLED if job.state == QUEUED else CANCELLING, "cancelled by user")
+    was_queued = job.state == QUEUED
+    transition_job(session, job, CANCELLING, "cancelled by user")
+    if was_queued:
+        transition_job(session, job, CANCELLED, "cancelled by user")
     return job
 
 

@@ -12,9 +12,9 @@ from fastapi.responses import PlainTextResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from service.api.deps import (
-    BearerCreds,
     DbDep,
     JobDep,
+    PresentedCreds,
     SessionDep,
     SettingsDep,
     caller_job,
@@ -51,7 +51,7 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def stream_job(
     db: DbDep,
-    creds: BearerCreds,
+    creds: PresentedCreds,
     job_id: Annotated[int, Path(ge=1, le=MAX_ID)],
 ) -> Job:
     """`caller_job` in a read of its own that ends before the stream starts: a request-scoped

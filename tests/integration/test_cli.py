@@ -76,3 +76,25 @@ def test_watch_exit_code_says_how_the_job_ended(embedded: Stack, script: str, co
     )
     assert sub.returncode == 0, sub.stderr
     assert cli(embedded, "watch", sub.stdout.strip()).returncode == code
+
+
+def test_url_and_token_may_come_before_the_command(embedded: Stack, tmp_path: Path) -> None:
+    """`torchjobs --url U --token T ls`: nothing in the environment, no admin token file to
+    fall back on, so the options given before the command are what reaches the server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHJOBS_")}
+    env["TORCHJOBS_HOME"] = str(tmp_path)
+    exe = str(Path(sys.executable).parent / "torchjobs")
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=60)
+
+    ok = run("--url", embedded.url, "--token", harness.ADMIN_TOKEN, "ls", "-o", "json")
+    assert ok.returncode == 0, ok.stderr
+    assert isinstance(json.loads(ok.stdout), list | dict)
+    wrong = run("--url", embedded.url, "--token", "tj_wrong", "ls")
+    assert wrong.returncode == 2 and "401" in wrong.stderr
+    after_wins = run("--url", embedded.url, "--token", "tj_wrong", "ls", "--token", harness.ADMIN_TOKEN)
+    assert after_wins.returncode == 0, after_wins.stderr
+    nobody = run("--url", f"http://127.0.0.1:{harness.free_port()}", "--token", "t", "ls")
+    assert nobody.returncode == 2 and "could not reach http://127.0.0.1:" in nobody.stderr, nobody.stderr
+    assert "Traceback" not in nobody.stderr

@@ -77,6 +77,8 @@ def test_cancel_queued_job_is_immediate_and_finished_job_is_409(stack: Stack) ->
         resp = c.post(f"/v1/jobs/{queued['id']}/cancel")
         assert resp.status_code == 202 and resp.json()["state"] == "cancelled"
         c.post(f"/v1/jobs/{blocker['id']}/cancel")
+    states = [e["data"]["state"] for e in stack.events(queued["id"]) if e["type"] == "state"]
+    assert states == ["queued", "cancelling", "cancelled"]  # the contract's path, even when immediate
     stack.wait_job(blocker["id"], timeout=60)
     fail = stack.submit({"mode": "single", "entrypoint": {"kind": "script", "path": "fail.py"}})
     stack.wait_job(fail["id"])

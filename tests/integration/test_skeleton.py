@@ -143,3 +143,21 @@ def test_an_ordinary_torchrun_script_runs_unchanged(embedded: Stack) -> None:
     with embedded.client() as c:
         rank1 = c.get(f"/v1/jobs/{job['id']}/logs", params={"node": 0, "rank": 1}).text
     assert "rank 1 local 1 epoch 1" in rank1
+
+
+def test_a_checkpoint_saved_again_under_its_name_is_a_new_checkpoint(embedded: Stack, tmp_path) -> None:
+    """Contract §4: every complete file that appears becomes a Checkpoint, in the order
+    written, including `last.pt` saved over itself; each keeps its own bytes."""
+    script = {"kind": "script", "path": "rewrite_checkpoint.py"}
+    job = embedded.submit({"mode": "single", "entrypoint": script})
+    assert embedded.wait_job(job["id"])["state"] == "succeeded"
+    with embedded.client() as c:
+        items = c.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
+        assert [i["name"] for i in items] == ["last.pt", "last.pt"]
+        saved = []
+        for item in items:
+            body = c.get(f"/v1/checkpoints/{item['id']}/download").content
+            assert hashlib.sha256(body).hexdigest() == item["sha256"]
+            (tmp_path / "ckpt.pt").write_bytes(body)
+            saved.append(torch.load(tmp_path / "ckpt.pt", weights_only=True)["epoch"])
+    assert saved == [1, 2]

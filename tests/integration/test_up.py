@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
+
+import httpx
 
 from tests import harness
 from tests.harness import pids_of_job, wait_event
@@ -104,3 +107,30 @@ def test_a_killed_local_worker_is_started_again(tmp_path: Path) -> None:
         assert "the local worker exited (code -9)" in stack.logs_of("up")
     finally:
         stack.stop()
+
+
+def test_up_prints_its_url_and_token_location_on_stdout(tmp_path: Path) -> None:
+    """A script reading `torchjobs up`'s standard output finds where to connect (contract §1)."""
+    port = harness.free_port()
+    proc = subprocess.Popen(
+        harness.torchjobs_cmd("up", "--port", str(port), "--gpus", "1", "--accelerator", "cpu"),
+        env=harness.make_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        assert f"torchjobs is up at http://127.0.0.1:{port}" in line and "admin token" in line, line
+        harness.wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), 60, "the API")
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -6,6 +6,7 @@ API alone. Its script root is a temporary folder holding a good script and traps
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +92,14 @@ def test_every_route_refuses_missing_wrong_and_revoked_tokens(
     resp = httpx.request(method, f"{stack.url}{concrete(path)}", headers=headers, timeout=10)
     assert resp.status_code == 401, resp.text
     assert resp.json() == {"detail": "missing or invalid bearer token"}
+
+
+@pytest.mark.parametrize(("method", "path"), [op for op in every_operation() if "{" in op[1]])
+def test_a_missing_token_is_401_even_on_a_malformed_path(stack: Stack, method: str, path: str) -> None:
+    """Authentication comes first on every route: no token means 401 whatever the id."""
+    malformed = re.sub(r"\{[a-z_]+\}", "not-a-number", path)
+    resp = httpx.request(method, f"{stack.url}{malformed}", timeout=10)
+    assert resp.status_code == 401, resp.text
 
 
 def test_me_and_admin_only_user_creation(stack: Stack, users: dict[str, str]) -> None:

@@ -131,36 +131,46 @@ class RankLogs:
 class FoundCheckpoint:
     path: Path
     size: int
+    version: int = 0  # how many earlier files of this name were taken (a script's `last.pt`)
+
+
+Signature = tuple[int, int, int]  # size, mtime_ns, inode
 
 
 class CheckpointWatcher:
     """Complete files in the checkpoint folder, in the order written.
 
-    Complete: unchanged in size and mtime over two looks (renamed into place, or closed and
-    no longer growing), or anything left once the ranks have exited. Names ending in .tmp or
-    .partial and names starting with "." are never taken.
+    Complete: unchanged in size, mtime and inode over two looks (renamed into place, or closed
+    and no longer growing), or anything left once the ranks have exited. Names ending in .tmp
+    or .partial and names starting with "." are never taken. A file written again under a name
+    already taken (renamed over it, or rewritten in place) is a new file that appeared: it is
+    taken again, with the next `version`.
     """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.seen: dict[str, tuple[int, int]] = {}
-        self.taken: set[str] = set()
+        self.seen: dict[str, Signature] = {}
+        self.taken: dict[str, Signature] = {}
+        self.versions: dict[str, int] = {}
 
     def poll(self, final: bool = False) -> list[FoundCheckpoint]:
         ready = []
         for entry in self._candidates():
             st = entry.stat()
-            sig = (st.st_size, st.st_mtime_ns)
+            sig = (st.st_size, st.st_mtime_ns, st.st_ino)
+            if self.taken.get(entry.name) == sig:
+                continue
             stable = self.seen.get(entry.name) == sig
             self.seen[entry.name] = sig
             if stable or final:
-                ready.append(
-                    (st.st_mtime_ns, entry.name, FoundCheckpoint(path=Path(entry.path), size=st.st_size))
-                )
+                ready.append((st.st_mtime_ns, entry.name, sig, Path(entry.path), st.st_size))
         ready.sort()
-        for _, name, _ in ready:
-            self.taken.add(name)
-        return [f for _, _, f in ready]
+        found = []
+        for _, name, sig, path, size in ready:
+            version = self.versions.get(name, -1) + 1
+            self.taken[name], self.versions[name] = sig, version
+            found.append(FoundCheckpoint(path=path, size=size, version=version))
+        return found
 
     def _candidates(self) -> list[os.DirEntry[str]]:
         try:
@@ -171,7 +181,6 @@ class CheckpointWatcher:
             e
             for e in entries
             if e.is_file(follow_symlinks=False)
-            and e.name not in self.taken
             and not e.name.startswith(".")
             and not e.name.endswith(IGNORED_SUFFIXES)
         ]

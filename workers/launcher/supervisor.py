@@ -45,7 +45,7 @@ class Hooks:
     """The supervisor's only ways out: injected so unit tests can drive it without a database."""
 
     write_batch: Callable[[Batch], None]
-    record_checkpoint: Callable[[Any, dict[str, Any] | None], None]
+    record_checkpoint: Callable[[Any, dict[str, Any] | None, int], None]
     job_control: Callable[[], tuple[str, int] | None]
 
 
@@ -178,7 +178,7 @@ class NodeSupervisor:
         for found in self.checkpoints.poll(final=final):
             meta = self.ckpt_meta.get(found.path.name) or {"epoch": epoch_from_name(found.path.name)}
             try:
-                self.hooks.record_checkpoint(found.path, meta)
+                self.hooks.record_checkpoint(found.path, meta, found.version)
             except OSError:
                 log.exception("job %s: could not store checkpoint %s", self.key.job_id, found.path.name)
 

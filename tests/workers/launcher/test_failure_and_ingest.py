@@ -100,3 +100,21 @@ def test_checkpoint_watcher_takes_complete_files_once(tmp_path: Path) -> None:
     os.utime(growing, ns=(1, 10**18))
     assert watcher.poll() == []  # it changed since the last look
     assert [f.path.name for f in watcher.poll(final=True)] == ["epoch-0002.pt"]
+
+
+def test_a_name_written_again_is_a_new_checkpoint(tmp_path: Path) -> None:
+    """A script saving `last.pt` every epoch: each save that the watcher sees is taken."""
+    watcher = CheckpointWatcher(tmp_path)
+    last = tmp_path / "last.pt"
+    last.write_bytes(b"epoch 1")
+    watcher.poll()
+    assert [(f.path.name, f.version) for f in watcher.poll()] == [("last.pt", 0)]
+    assert watcher.poll() == []
+    (tmp_path / "last.pt.tmp").write_bytes(b"epoch 2")
+    os.replace(tmp_path / "last.pt.tmp", last)  # renamed over the taken file
+    assert watcher.poll() == []  # seen once
+    assert [(f.path.name, f.version) for f in watcher.poll()] == [("last.pt", 1)]
+    last.write_bytes(b"epoch 3")  # rewritten in place, same size
+    os.utime(last, ns=(1, 10**18))
+    assert [(f.path.name, f.version) for f in watcher.poll(final=True)] == [("last.pt", 2)]
+    assert watcher.poll(final=True) == []  # unchanged since: never twice
