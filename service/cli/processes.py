@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import sys
 
 import typer
@@ -42,9 +44,9 @@ def run_up(host: str, port: int, gpus: int | None, accelerator: str) -> None:
         cmd += ["--gpus", str(gpus)]
     worker = LocalWorkerKeeper(cmd, settings.cancel_grace_s + 10).start()
     token_where = "TORCHJOBS_ADMIN_TOKEN" if settings.admin_token else str(settings.admin_token_file)
-    typer.echo(f"torchjobs is up at http://{host}:{port}  (admin token: {token_where})")
+    announce = f"torchjobs is up at http://{host}:{port}  (admin token: {token_where})"
     try:
-        run_server(settings, host, port, scheduler=True)
+        run_server(settings, host, port, scheduler=True, announce=announce)
     finally:
         worker.stop()
 
@@ -55,13 +57,29 @@ def require_current_schema(settings: Settings) -> None:
         raise typer.Exit(2)
 
 
-def run_server(settings: Settings, host: str, port: int, scheduler: bool) -> None:
+class AnnouncingServer(uvicorn.Server):
+    """Says `announce` on stdout once the socket listens: a script that waits for the line
+    can connect at once."""
+
+    def __init__(self, config: uvicorn.Config, announce: str | None) -> None:
+        super().__init__(config)
+        self.announce = announce
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.announce:
+            typer.echo(self.announce)
+
+
+def run_server(
+    settings: Settings, host: str, port: int, scheduler: bool, announce: str | None = None
+) -> None:
     from service.app import create_app
 
     _setup_logging(settings)
     require_current_schema(settings)
     app = create_app(settings, scheduler=scheduler)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -70,6 +88,9 @@ def run_server(settings: Settings, host: str, port: int, scheduler: bool) -> Non
         timeout_graceful_shutdown=5,
         log_config=None if settings.log_json else uvicorn.config.LOGGING_CONFIG,
     )
+    # uvicorn re-raises the Ctrl-C it has already handled; uvicorn.run swallows it the same way
+    with contextlib.suppress(KeyboardInterrupt):
+        AnnouncingServer(config, announce).run()
 
 
 def run_worker_cmd(name: str, gpus: int | None, accelerator: str, address: str | None) -> None:
