@@ -24,6 +24,7 @@ from typing import Any
 from service.jobs.lifecycle import NodeOutcome
 from service.jobs.states import CANCELLING
 from workers.launcher.command import LaunchPlan, config_json, processes_per_node
+from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, RankLogs, epoch_from_name
 from workers.launcher.procs import kill_under, pids_under, signal_all
@@ -100,22 +101,25 @@ class NodeSupervisor:
         return self._outcome(rc)
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> int:
-        last_control = last_batch = 0.0
-        while True:
-            rc = proc.poll()
-            if rc is not None:
-                return rc  # run() reads what is left, all of it, once
-            now = time.monotonic()
-            if now - last_batch >= BATCH_EVERY_S or self.backlog:
-                self._ingest(final=False)
-                last_batch = now
-            if self.stop_reason is None and now - last_control >= CONTROL_EVERY_S:
-                last_control = now
-                self.stop_reason = self._should_stop()
-                if self.stop_reason is not None:
-                    return self._stop(proc)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=POLL_S)  # back at once when the agent exits, not a poll later
+        """Ingest every BATCH_EVERY_S, look at the job every CONTROL_EVERY_S, and in between
+        sleep until the next of those or the agent's exit, whichever comes first."""
+        next_batch = next_control = 0.0
+        with ExitWait(proc) as exited:
+            while True:
+                rc = proc.poll()
+                if rc is not None:
+                    return rc  # run() reads what is left, all of it, once
+                now = time.monotonic()
+                if now >= next_batch or self.backlog:
+                    self._ingest(final=False)
+                    next_batch = now + BATCH_EVERY_S
+                if self.stop_reason is None and now >= next_control:
+                    next_control = now + CONTROL_EVERY_S
+                    self.stop_reason = self._should_stop()
+                    if self.stop_reason is not None:
+                        return self._stop(proc)
+                due = min(next_batch, next_control) - time.monotonic()
+                exited.wait(0.0 if self.backlog else due)
 
     def _should_stop(self) -> str | None:
         if self.shutdown.is_set():

@@ -17,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -28,13 +31,20 @@ from service.parent_death import dying_with_parent
 log = logging.getLogger("torchjobs.worker")
 
 TORCHRUN = ("-m", "torch.distributed.run")
+PIPE_BUFFER = 64 * 1024  # Linux's default: a write up to this size never waits for the reader
+ADOPT_POLL_S = 0.01
 
 
 class WarmAgentPool:
     def __init__(
-        self, base_env: Mapping[str, str], enabled: bool = True, spawn_when_idle: bool = False
+        self,
+        base_env: Mapping[str, str],
+        enabled: bool = True,
+        spawn_when_idle: bool = False,
+        handoff_timeout_s: float = 60.0,
     ) -> None:
         self.base_env, self.enabled, self.spawn_when_idle = dict(base_env), enabled, spawn_when_idle
+        self.handoff_timeout_s = handoff_timeout_s  # for the agent to take a launch (see _hand_over)
         self._running = 0  # nodes between node_running()'s enter and exit
         self.python = sys.executable
         self._spare: subprocess.Popen[bytes] | None = None
@@ -82,21 +92,12 @@ class WarmAgentPool:
     def start(
         self, argv: list[str], env: Mapping[str, str], cwd: Path, log_path: Path
     ) -> subprocess.Popen[bytes]:
-        """The launch's agent, warm when one is ready for this argv, else cold."""
+        """The launch's agent, warm when one is ready for this argv and takes it, else cold."""
         proc = self._take() if self._warmable(argv) else None
-        if proc is not None:
-            request = {"args": argv[3:], "env": dict(env), "cwd": str(cwd), "log": str(log_path)}
-            try:
-                assert proc.stdin is not None
-                proc.stdin.write(json.dumps(request).encode() + b"\n")
-                proc.stdin.close()
-                self.warm_starts += 1
-                return proc
-            except OSError as exc:  # it died between the check and the write
-                _retire(proc)
-                log.warning(
-                    "warm torchrun agent unusable (%s, exit %s); starting one cold", exc, proc.returncode
-                )
+        request = {"args": argv[3:], "env": dict(env), "cwd": str(cwd), "log": str(log_path)}
+        if proc is not None and self._hand_over(proc, json.dumps(request).encode() + b"\n", log_path):
+            self.warm_starts += 1
+            return proc
         self.cold_starts += 1
         with open(log_path, "wb") as out:
             return subprocess.Popen(
@@ -108,6 +109,37 @@ class WarmAgentPool:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+
+    def _hand_over(self, proc: subprocess.Popen[bytes], data: bytes, log_path: Path) -> bool:
+        """Give the launch to a waiting agent; False (and the agent ended) when it does not take it.
+
+        Taking it is visible: the agent opens the launch's log first thing. One that has not
+        within `handoff_timeout_s` (stuck, or dead before it read) is killed, and the launch
+        starts cold instead of waiting on it for good. A request over one pipe buffer goes cold
+        too: writing it could block on an agent that never reads.
+        """
+        why = "its launch request is larger than a pipe buffer"
+        if len(data) < PIPE_BUFFER:
+            try:
+                assert proc.stdin is not None
+                proc.stdin.write(data)
+                proc.stdin.close()
+                if self._adopted(proc, log_path):
+                    return True
+                why = f"it did not take the launch within {self.handoff_timeout_s:g} s"
+            except OSError as exc:  # it died between the check and the write
+                why = f"{exc.__class__.__name__}: {exc}"
+        _kill(proc)
+        log.warning("warm torchrun agent unusable (%s, exit %s); starting one cold", why, proc.returncode)
+        return False
+
+    def _adopted(self, proc: subprocess.Popen[bytes], log_path: Path) -> bool:
+        deadline = time.monotonic() + self.handoff_timeout_s
+        while not log_path.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return log_path.exists()
+            time.sleep(ADOPT_POLL_S)
+        return True
 
     def _warmable(self, argv: list[str]) -> bool:
         return self.enabled and len(argv) > 3 and argv[0] == self.python and tuple(argv[1:3]) == TORCHRUN
@@ -156,6 +188,16 @@ class WarmAgentPool:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """An agent that will not be used, with anything it started (it leads its own group)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        if proc.stdin is not None:
+            proc.stdin.close()
+    proc.wait()
 
 
 def _retire(proc: subprocess.Popen[bytes]) -> None:

@@ -128,3 +128,35 @@ def test_on_a_cpu_worker_the_next_spare_waits_until_no_node_runs(tmp_path: Path)
         assert (pool.warm_starts, pool.cold_starts) == (1, 0)
     finally:
         pool.close()
+
+
+def _stuck_spare() -> subprocess.Popen[bytes]:
+    """A "warm agent" that never reads its launch: hung in an import, say."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def test_a_warm_agent_that_does_not_take_its_launch_is_killed_and_the_launch_starts_cold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spares: list[subprocess.Popen[bytes]] = []
+
+    def spawn() -> subprocess.Popen[bytes]:
+        spares.append(_stuck_spare())
+        return spares[-1]
+
+    pool = WarmAgentPool({"PATH": "/usr/bin:/bin"}, enabled=True, handoff_timeout_s=1.0)
+    monkeypatch.setattr(pool, "_spawn", spawn)
+    pool.begin()
+    try:
+        _wait_ready(pool)
+        proc, log = _launch(pool, tmp_path, MY_FLAG="cold")
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+        assert "flag cold" in log.read_text()
+        assert (pool.warm_starts, pool.cold_starts) == (0, 1)
+        assert spares[0].poll() is not None  # not left waiting on its pipe
+    finally:
+        pool.close()
