@@ -190,24 +190,6 @@ def run_bare(spec: dict[str, Any], where: Path, timeout: float) -> dict[str, Any
     }
 
 
-def wait_finished(stack: harness.Stack, job_id: int, timeout: float) -> dict[str, Any]:
-    """Poll the job over one kept-alive connection until it ends.
-
-    The benchmark's own client shares this 2-core machine with the job it measures, so it must
-    cost next to nothing: `harness.Stack.wait_job` opens a new client (an SSL context, ~25 ms
-    of CPU) per poll, and that, twice a second beside two CPU-bound ranks, was enough to lower
-    the service's throughput figure by several per cent. Bare torchrun's side just `wait()`s.
-    """
-    deadline = time.monotonic() + timeout
-    with stack.client() as c:
-        while time.monotonic() < deadline:
-            job = c.get(f"/v1/jobs/{job_id}").json()
-            if job["state"] in harness.TERMINAL:
-                return job
-            time.sleep(0.5)
-    raise TimeoutError(f"job {job_id} still running after {timeout:.0f} s")
-
-
 def run_service(stack: harness.Stack, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Through the API: (first step s, wall s, samples/s) and where the launch time went."""
     with stack.client() as c:
@@ -217,7 +199,7 @@ def run_service(stack: harness.Stack, spec: dict[str, Any], timeout: float) -> d
         raise RuntimeError(f"POST /v1/jobs: {resp.status_code} {resp.text}")
     job_id = resp.json()["id"]
     try:
-        job = wait_finished(stack, job_id, timeout)
+        job = stack.wait_job(job_id, timeout=timeout)  # one kept-alive connection: cheap
     except TimeoutError:
         with stack.client() as c:
             c.post(f"/v1/jobs/{job_id}/cancel")
