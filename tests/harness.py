@@ -163,7 +163,7 @@ class Stack:
         return resp.json()
 
     def wait_job(
-        self, job_id: int, timeout: float = 240, states: tuple[str, ...] = TERMINAL
+        self, job_id: int, timeout: float = 240, states: tuple[str, ...] = TERMINAL, interval: float = 0.5
     ) -> dict[str, Any]:
         """Polls over one kept-alive connection: a new client per poll costs ~25 ms of CPU (an
         SSL context), twice a second on the cores the job trains on (bench/launch.py measures
@@ -175,7 +175,7 @@ class Stack:
                 return job if job["state"] in states else None
 
             try:
-                return wait_for(done, timeout, f"job {job_id} to reach {states}", interval=0.5)
+                return wait_for(done, timeout, f"job {job_id} to reach {states}", interval=interval)
             except TimeoutError as exc:
                 raise TimeoutError(f"{exc}\n{self.describe(job_id)}") from None
 

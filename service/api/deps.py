@@ -24,6 +24,7 @@ from service.errors import Forbidden, Unauthorized
 from service.jobs import service as jobs_service
 from service.models import Job, User
 from service.schemas import MAX_ID
+from service.storage import Storage
 
 bearer = HTTPBearer(auto_error=False, description="torchjobs bearer token")
 BearerCreds = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
@@ -50,6 +51,15 @@ async def get_db(request: Request) -> Database:
 
 async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
+
+
+def get_storage(request: Request) -> Storage:
+    """One Storage per app, built from its settings on first use."""
+    state = request.app.state
+    storage = getattr(state, "storage", None)
+    if storage is None:
+        storage = state.storage = Storage.from_settings(state.settings)
+    return storage
 
 
 async def get_session(request: Request, db: Annotated[Database, Depends(get_db)]) -> AsyncIterator[Session]:
@@ -131,3 +141,4 @@ AdminDep = Annotated[User, Depends(admin_user)]
 JobDep = Annotated[Job, Depends(caller_job)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DbDep = Annotated[Database, Depends(get_db)]
+StorageDep = Annotated[Storage, Depends(get_storage)]

@@ -19,6 +19,7 @@ from service.api.deps import (
     PresentedCreds,
     SessionDep,
     SettingsDep,
+    StorageDep,
     UserDep,
     current_user,
 )
@@ -26,19 +27,9 @@ from service.checkpoints import service
 from service.checkpoints.schemas import CheckpointList
 from service.models import Checkpoint, User
 from service.schemas import MAX_ID, CheckpointOut, checkpoint_out
-from service.storage import Storage
 
 router = APIRouter(tags=["checkpoints"])
 CkptId = Annotated[int, Path(ge=1, le=MAX_ID)]
-
-
-def get_storage(request: Request) -> Storage:
-    """One Storage per app, built from its settings on first use."""
-    state = request.app.state
-    storage = getattr(state, "storage", None)
-    if storage is None:
-        storage = state.storage = Storage.from_settings(state.settings)
-    return storage
 
 
 def brief_user(db: DbDep, creds: PresentedCreds) -> User:
@@ -58,7 +49,6 @@ def caller_checkpoint_brief(db: DbDep, creds: PresentedCreds, ckpt_id: CkptId) -
         return service.get_checkpoint(session, current_user(session, creds), ckpt_id)
 
 
-StorageDep = Annotated[Storage, Depends(get_storage)]
 BriefUserDep = Annotated[User, Depends(brief_user)]
 
 

@@ -32,6 +32,10 @@ class UploadRefused(Exception):
     """The file is not a checkpoint we accept; the message says why, for the uploader."""
 
 
+class UploadTimedOut(UploadRefused):
+    """No verdict within the time allowed: says nothing about the file, so never remembered."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class UploadInfo:
     epoch: int | None
@@ -59,7 +63,7 @@ def check_upload(path: str, name: str, timeout_s: float) -> UploadInfo:
                 check=False,
             )
         except subprocess.TimeoutExpired:
-            raise UploadRefused(f"the file could not be validated within {timeout_s:g}s") from None
+            raise UploadTimedOut(f"the file could not be validated within {timeout_s:g}s") from None
     if proc.returncode == REFUSED_EXIT:
         reason = proc.stderr.decode(errors="replace").strip().splitlines()
         raise UploadRefused(reason[-1][:2000] if reason else "not a checkpoint")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, BackgroundTasks, Header, Query, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Depends, Header, Query, Request, Response
 
 from service.api.deps import (
     DbDep,
@@ -11,12 +11,16 @@ from service.api.deps import (
     PresentedCreds,
     SessionDep,
     SettingsDep,
+    StorageDep,
     UserDep,
+    current_user,
 )
+from service.checkpoints.resume_check import check_resumable, resume_file
 from service.jobs import service
 from service.jobs.cached_reads import job_view_json
 from service.jobs.schemas import EventList, JobList, JobOut, MetricsOut
 from service.jobs.spec import JobSpec
+from service.jobs.validation import resume_target
 from service.schemas import MAX_ID
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -29,6 +33,21 @@ def wake_scheduler(request: Request) -> None:
         scheduler.wake()
 
 
+def resume_checked_spec(
+    spec: JobSpec, db: DbDep, creds: PresentedCreds, settings: SettingsDep, storage: StorageDep
+) -> JobSpec:
+    """The spec, with the file it resumes from checked before the request's transaction begins:
+    that check may load the file for seconds, and on SQLite that transaction holds the write
+    lock. The handler resolves the checkpoint again under its lock; the verdict is remembered."""
+    if spec.resume_from is not None:
+        with db.read() as session:
+            target = resume_target(session, spec, current_user(session, creds), lock=False)
+            checked = None if target is None else (resume_file(session, target[0]), target[1])
+        if checked is not None:
+            check_resumable(storage, settings, *checked)
+    return spec
+
+
 @router.post(
     "",
     status_code=201,
@@ -36,16 +55,17 @@ def wake_scheduler(request: Request) -> None:
     responses={200: {"model": JobOut, "description": "the job first created with this Idempotency-Key"}},
 )
 def submit_job(
-    spec: JobSpec,
+    spec: Annotated[JobSpec, Depends(resume_checked_spec)],
     request: Request,
     response: Response,
     background: BackgroundTasks,
     session: SessionDep,
     settings: SettingsDep,
+    storage: StorageDep,
     user: UserDep,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> JobOut:
-    job, created = service.submit_job(session, settings, user, spec, idempotency_key)
+    job, created = service.submit_job(session, settings, storage, user, spec, idempotency_key)
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if created:
         background.add_task(wake_scheduler, request)  # runs after the commit and the response

@@ -31,17 +31,23 @@ from service.jobs.states import ALL_STATES, CANCELLED, CANCELLING, QUEUED, TERMI
 from service.jobs.validation import validate_in_context
 from service.models import Checkpoint, Job, User
 from service.schemas import MAX_ID, checkpoint_out
+from service.storage import Storage
 
 
 def submit_job(
-    session: Session, settings: Settings, user: User, spec: JobSpec, idempotency_key: str | None
+    session: Session,
+    settings: Settings,
+    storage: Storage,
+    user: User,
+    spec: JobSpec,
+    idempotency_key: str | None,
 ) -> tuple[Job, bool]:
     """Returns (job, created). A repeated Idempotency-Key returns the first job, never a second."""
     if idempotency_key is not None:
         existing = repo.get_by_idempotency_key(session, user.id, idempotency_key)
         if existing is not None:
             return existing, False
-    resume_checkpoint_id = validate_in_context(session, settings, spec, user)
+    resume_checkpoint_id = validate_in_context(session, settings, storage, spec, user)
     hyper = spec.effective_hyperparameters()
     job = Job(
         owner_id=user.id,

@@ -7,10 +7,12 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.checkpoints.resume_check import check_resumable, resume_file
 from service.config import Settings
 from service.errors import InvalidSpec
 from service.jobs.spec import JobSpec, ScriptEntrypoint
 from service.models import Checkpoint, Job, User, Worker
+from service.storage import Storage
 
 
 def resolve_script(path: str, roots: list[Path]) -> Path:
@@ -48,41 +50,50 @@ def check_fits_cluster(session: Session, spec: JobSpec) -> None:
         )
 
 
-def resolve_resume(session: Session, spec: JobSpec, user: User) -> int | None:
-    """The checkpoint id a job resumes from; another user's is exactly as unknown as a missing one."""
+def resume_target(
+    session: Session, spec: JobSpec, user: User, *, lock: bool
+) -> tuple[Checkpoint, str] | None:
+    """The checkpoint a job resumes from and the spec field that named it. Another user's is
+    exactly as unknown as a missing one. With `lock`, FOR SHARE: retention cannot delete it
+    between this check and the caller's commit."""
     if spec.resume_from is None:
         return None
     owner_clause = [] if user.is_admin else [Checkpoint.owner_id == user.id]
     if spec.resume_from.checkpoint_id is not None:
-        # FOR SHARE: retention cannot delete it between this check and our commit
-        found = session.execute(
-            select(Checkpoint.id)
-            .where(Checkpoint.id == spec.resume_from.checkpoint_id, *owner_clause)
-            .with_for_update(read=True)
-        ).scalar_one_or_none()
+        query = select(Checkpoint).where(Checkpoint.id == spec.resume_from.checkpoint_id, *owner_clause)
+        found = session.execute(query.with_for_update(read=True) if lock else query).scalar_one_or_none()
         if found is None:
             raise InvalidSpec(("resume_from", "checkpoint_id"), "no such checkpoint")
-        return found
+        return found, "checkpoint_id"
     job_clause = [] if user.is_admin else [Job.owner_id == user.id]
     job = session.execute(
         select(Job.id).where(Job.id == spec.resume_from.job_id, *job_clause)
     ).scalar_one_or_none()
     if job is None:
         raise InvalidSpec(("resume_from", "job_id"), "no such job")
-    latest = session.execute(
-        select(Checkpoint.id)
-        .where(Checkpoint.job_id == job)
-        .order_by(Checkpoint.id.desc())
-        .limit(1)
-        .with_for_update(read=True)
-    ).scalar_one_or_none()
+    query = select(Checkpoint).where(Checkpoint.job_id == job).order_by(Checkpoint.id.desc()).limit(1)
+    latest = session.execute(query.with_for_update(read=True) if lock else query).scalar_one_or_none()
     if latest is None:
         raise InvalidSpec(("resume_from", "job_id"), "that job has no checkpoint yet")
-    return latest
+    return latest, "job_id"
 
 
-def validate_in_context(session: Session, settings: Settings, spec: JobSpec, user: User) -> int | None:
+def resolve_resume(
+    session: Session, settings: Settings, storage: Storage, spec: JobSpec, user: User
+) -> int | None:
+    """The checkpoint id a job resumes from, once it is known to load with weights_only."""
+    target = resume_target(session, spec, user, lock=True)
+    if target is None:
+        return None
+    ckpt, field = target
+    check_resumable(storage, settings, resume_file(session, ckpt), field)
+    return ckpt.id
+
+
+def validate_in_context(
+    session: Session, settings: Settings, storage: Storage, spec: JobSpec, user: User
+) -> int | None:
     if isinstance(spec.entrypoint, ScriptEntrypoint):
         resolve_script(spec.entrypoint.path, settings.script_root_paths)
     check_fits_cluster(session, spec)
-    return resolve_resume(session, spec, user)
+    return resolve_resume(session, settings, storage, spec, user)

@@ -313,6 +313,30 @@ def test_resume_from_an_upload_and_from_a_job(ckpt_stack: CkptStack, uploaded: d
     assert [(i["epoch"], i["step"]) for i in items] == [(7, 70)]
 
 
+def test_resuming_from_a_file_that_needs_a_full_unpickle_is_a_422_at_submit(
+    ckpt_stack: CkptStack, tmp_path: Path
+) -> None:
+    """Contract §5: a script's checkpoint that weights_only=True refuses is refused when a job
+    names it, by checkpoint id or by job id, before any job exists; nothing in it runs."""
+    marker = tmp_path / "unpickled"
+    script = {"kind": "script", "path": "unsafe_checkpoint.py", "args": [str(marker)]}
+    job = run_job(ckpt_stack, {"mode": "single", "gpus_per_node": 1, "entrypoint": script})
+    with ckpt_stack.client("alice") as c:
+        (item,) = c.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
+        before = [j["id"] for j in c.get("/v1/jobs", params={"limit": 500}).json()["items"]]
+        named_by = [({"checkpoint_id": item["id"]}, "checkpoint_id"), ({"job_id": job["id"]}, "job_id")]
+        for _ in range(2):  # the second time from the remembered verdict
+            for resume, field in named_by:
+                r = c.post("/v1/jobs", json=probe_spec(count=1, resume_from=resume))
+                assert r.status_code == 422, r.text
+                detail = r.json()["detail"][0]
+                assert detail["loc"][-2:] == ["resume_from", field]
+                assert f"checkpoint {item['id']} cannot be resumed from" in detail["msg"]
+                assert "weights_only=True" in detail["msg"]
+        assert [j["id"] for j in c.get("/v1/jobs", params={"limit": 500}).json()["items"]] == before
+    assert not marker.exists()
+
+
 def test_other_users_checkpoints_do_not_exist_for_them(
     ckpt_stack: CkptStack, first_job: dict[str, Any], uploaded: dict[str, Any]
 ) -> None:
