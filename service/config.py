@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 15.0
     scheduler_interval_s: float = 1.0
+    # between passes while no job waits (nothing queued, cancelling or unclaimed): a running
+    # job's host is spared a transaction a second; a lost worker is seen up to this much later
+    scheduler_idle_interval_s: float = 5.0
     starvation_s: float = 300.0
     cancel_grace_s: float = 10.0
     rendezvous_timeout_s: float = 120.0

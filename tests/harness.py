@@ -215,6 +215,7 @@ def make_env(home: Path, **overrides: str) -> dict[str, str]:
         TORCHJOBS_HEARTBEAT_TIMEOUT_S="6",
         TORCHJOBS_CANCEL_GRACE_S="5",
         TORCHJOBS_SCHEDULER_INTERVAL_S="0.5",
+        TORCHJOBS_SCHEDULER_IDLE_INTERVAL_S="1",
         OMP_NUM_THREADS="1",
     )
     env.update(overrides)

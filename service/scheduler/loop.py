@@ -257,12 +257,25 @@ class SchedulerThread(threading.Thread):
 
     def run(self) -> None:
         while not self._stopping.is_set():
+            pause = self.settings.scheduler_interval_s
             try:
                 run_pass(self.db, self.settings, self.dispatch, self.throttle)
+                if not has_waiting_work(self.db):
+                    pause = max(pause, self.settings.scheduler_idle_interval_s)
             except Exception:  # keep scheduling whatever one pass hit
                 log.exception("scheduler pass failed")
-            self._wake.wait(self.settings.scheduler_interval_s)
+            self._wake.wait(pause)
             self._wake.clear()
+
+
+def has_waiting_work(db: Database) -> bool:
+    """Whether the next timed pass may have something to do besides noticing a lost worker: a
+    job queued (capacity may free), cancelling (its pending nodes to close), or a node placed
+    and not yet claimed (to re-send). A submit or freed GPUs wake the scheduler anyway."""
+    with db.read() as session:
+        job = session.execute(select(Job.id).where(Job.state.in_((QUEUED, CANCELLING))).limit(1)).first()
+        node = session.execute(select(NodeRun.id).where(NodeRun.state == "pending").limit(1)).first()
+    return job is not None or node is not None
 
 
 __all__ = ["SCHEDULED", "Dispatch", "SchedulerThread", "place", "reap", "run_pass"]

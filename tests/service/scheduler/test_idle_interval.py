@@ -1,0 +1,60 @@
+"""The scheduler slows its timed passes only while no job waits for one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from service.config import Settings
+from service.db import Database
+from service.migrate import upgrade
+from service.models import Job, NodeRun, User
+from service.scheduler.loop import has_waiting_work
+
+
+@pytest.mark.parametrize(
+    ("job_state", "node_state", "waiting"),
+    [
+        ("running", "running", False),  # a job trains: nothing for a pass to do
+        ("succeeded", "succeeded", False),
+        ("queued", None, True),  # capacity may free at any time
+        ("cancelling", "running", True),  # its nodes to close once they stop
+        ("scheduled", "pending", True),  # placed, not yet claimed: may need re-sending
+    ],
+)
+def test_waiting_work(tmp_path: Path, job_state: str, node_state: str | None, waiting: bool) -> None:
+    settings = Settings(home=tmp_path, admin_token="x")
+    upgrade(settings)
+    db = Database(settings)
+    try:
+        assert has_waiting_work(db) is False  # an empty database
+        with db.transaction() as session:
+            user = User(name="u", token_hash="h", is_admin=False)
+            session.add(user)
+            session.flush()
+            job = Job(
+                owner_id=user.id,
+                state=job_state,
+                mode="single",
+                nodes=1,
+                gpus_per_node=1,
+                entrypoint={"kind": "builtin"},
+            )
+            session.add(job)
+            session.flush()
+            if node_state is not None:
+                session.add(
+                    NodeRun(
+                        job_id=job.id,
+                        attempt=1,
+                        node_rank=0,
+                        worker_name="w",
+                        gpus=[0],
+                        address="127.0.0.1",
+                        state=node_state,
+                    )
+                )
+        assert has_waiting_work(db) is waiting
+    finally:
+        db.dispose()
