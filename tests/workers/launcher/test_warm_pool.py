@@ -17,8 +17,12 @@ from workers.launcher.warm_pool import WarmAgentPool
 
 SCRIPT = """
 import os, sys, time
-print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "flag", os.environ.get("MY_FLAG"),
-      "cwd", os.getcwd(), flush=True)
+# one write per line: with PYTHONUNBUFFERED each argument of a print() is its own write, and
+# the two ranks share the agent's output file, so their words could interleave
+env = os.environ
+line = f"rank {env['RANK']} of {env['WORLD_SIZE']} flag {env.get('MY_FLAG')} cwd {os.getcwd()}\\n"
+sys.stdout.write(line)
+sys.stdout.flush()
 if os.environ.get("SLEEP"):
     time.sleep(float(os.environ["SLEEP"]))
 sys.exit(int(os.environ.get("EXIT", "0")))
