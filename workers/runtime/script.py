@@ -9,6 +9,7 @@ error file, as for the builtin trainer.
 
 from __future__ import annotations
 
+import gc
 import runpy
 import sys
 from pathlib import Path
@@ -31,7 +32,14 @@ def main(argv: list[str]) -> None:
     preflight()
     sys.argv = [str(path), *argv[1:]]
     sys.path[0] = str(path.resolve().parent)
-    runpy.run_path(str(path), run_name="__main__")
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    finally:
+        # Free what the script left behind (a DDP model keeps its process group alive after
+        # destroy_process_group) while the interpreter is whole. A gloo group first destroyed
+        # during interpreter finalization can abort the rank ("terminate called without an
+        # active exception", SIGABRT: seen once in CI after a script had succeeded).
+        gc.collect()
 
 
 if __name__ == "__main__":
