@@ -15,7 +15,7 @@ from service.api.deps import (
     UserDep,
     current_user,
 )
-from service.checkpoints.resume_check import check_resumable, resume_file
+from service.checkpoints.resume_check import check_resumable
 from service.jobs import service
 from service.jobs.cached_reads import job_view_json
 from service.jobs.schemas import EventList, JobList, JobOut, MetricsOut
@@ -42,9 +42,8 @@ def resume_checked_spec(
     if spec.resume_from is not None:
         with db.read() as session:
             target = resume_target(session, spec, current_user(session, creds), lock=False)
-            checked = None if target is None else (resume_file(session, target[0]), target[1])
-        if checked is not None:
-            check_resumable(storage, settings, *checked)
+        if target is not None:
+            check_resumable(storage, settings, *target)
     return spec
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.checkpoints.resume_check import check_resumable, resume_file
+from service.checkpoints.resume_check import ResumeFile, check_resumable, resume_file
 from service.config import Settings
 from service.errors import InvalidSpec
 from service.jobs.spec import JobSpec, ScriptEntrypoint
@@ -52,8 +52,8 @@ def check_fits_cluster(session: Session, spec: JobSpec) -> None:
 
 def resume_target(
     session: Session, spec: JobSpec, user: User, *, lock: bool
-) -> tuple[Checkpoint, str] | None:
-    """The checkpoint a job resumes from and the spec field that named it. Another user's is
+) -> tuple[ResumeFile, str] | None:
+    """The file a job resumes from and the spec field that named it. Another user's is
     exactly as unknown as a missing one. With `lock`, FOR SHARE: retention cannot delete it
     between this check and the caller's commit."""
     if spec.resume_from is None:
@@ -64,7 +64,7 @@ def resume_target(
         found = session.execute(query.with_for_update(read=True) if lock else query).scalar_one_or_none()
         if found is None:
             raise InvalidSpec(("resume_from", "checkpoint_id"), "no such checkpoint")
-        return found, "checkpoint_id"
+        return resume_file(session, found), "checkpoint_id"
     job_clause = [] if user.is_admin else [Job.owner_id == user.id]
     job = session.execute(
         select(Job.id).where(Job.id == spec.resume_from.job_id, *job_clause)
@@ -75,7 +75,7 @@ def resume_target(
     latest = session.execute(query.with_for_update(read=True) if lock else query).scalar_one_or_none()
     if latest is None:
         raise InvalidSpec(("resume_from", "job_id"), "that job has no checkpoint yet")
-    return latest, "job_id"
+    return resume_file(session, latest), "job_id"
 
 
 def resolve_resume(
@@ -85,9 +85,8 @@ def resolve_resume(
     target = resume_target(session, spec, user, lock=True)
     if target is None:
         return None
-    ckpt, field = target
-    check_resumable(storage, settings, resume_file(session, ckpt), field)
-    return ckpt.id
+    check_resumable(storage, settings, *target)
+    return target[0].id
 
 
 def validate_in_context(

@@ -52,6 +52,12 @@ def _is_warm_agent_under(pid: str, run_prefix: str) -> bool:
     return (cwd + "/").startswith(run_prefix)
 
 
+def kill_group(pgid: int, sig: signal.Signals) -> None:
+    """A signal to a whole process group (an agent and what it started), if it is still there."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
 def signal_all(pids: list[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):

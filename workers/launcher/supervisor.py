@@ -8,7 +8,6 @@ the grace period. When the agent exits, anything left in its group is killed too
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -27,7 +26,7 @@ from workers.launcher.command import LaunchPlan, config_json, processes_per_node
 from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, RankLogs, epoch_from_name
-from workers.launcher.procs import kill_under, pids_under, signal_all
+from workers.launcher.procs import kill_group, kill_under, pids_under, signal_all
 from workers.launcher.warm_pool import WarmAgentPool
 from workers.reporter import Batch, NodeKey
 
@@ -95,7 +94,7 @@ class NodeSupervisor:
             try:
                 rc = self._watch(proc)
             finally:
-                _kill_group(proc.pid, signal.SIGKILL)
+                kill_group(proc.pid, signal.SIGKILL)
                 kill_under(str(self.plan.paths.run_dir) + "/")  # ranks live in sessions of their own
         self._ingest(final=True)
         return self._outcome(rc)
@@ -140,7 +139,7 @@ class NodeSupervisor:
         """SIGTERM to the agent and to every rank (each in its own session), SIGKILL after the grace."""
         log.info("job %s node %s: stopping (%s)", self.key.job_id, self.key.node_rank, self.stop_reason)
         run_dir = str(self.plan.paths.run_dir) + "/"
-        _kill_group(proc.pid, signal.SIGTERM)
+        kill_group(proc.pid, signal.SIGTERM)
         signal_all(pids_under(run_dir), signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline:
@@ -148,7 +147,7 @@ class NodeSupervisor:
                 break
             self._ingest(final=False)
             time.sleep(POLL_S)
-        _kill_group(proc.pid, signal.SIGKILL)
+        kill_group(proc.pid, signal.SIGKILL)
         kill_under(run_dir)
         return proc.wait()
 
@@ -265,8 +264,3 @@ def warm_agents(base_env: dict[str, str], enabled: bool, spawn_when_idle: bool =
     exit: no orphan keeps training on GPU slots the scheduler has already given to someone else.
     """
     return WarmAgentPool(base_env, enabled=enabled, spawn_when_idle=spawn_when_idle).begin()
-
-
-def _kill_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from service.parent_death import dying_with_parent
+from workers.launcher.procs import kill_group
 
 log = logging.getLogger("torchjobs.worker")
 
@@ -94,8 +94,7 @@ class WarmAgentPool:
     ) -> subprocess.Popen[bytes]:
         """The launch's agent, warm when one is ready for this argv and takes it, else cold."""
         proc = self._take() if self._warmable(argv) else None
-        request = {"args": argv[3:], "env": dict(env), "cwd": str(cwd), "log": str(log_path)}
-        if proc is not None and self._hand_over(proc, json.dumps(request).encode() + b"\n", log_path):
+        if proc is not None and self._hand_over(proc, _request(argv, env, cwd, log_path), log_path):
             self.warm_starts += 1
             return proc
         self.cold_starts += 1
@@ -190,10 +189,15 @@ class WarmAgentPool:
         )
 
 
+def _request(argv: list[str], env: Mapping[str, str], cwd: Path, log_path: Path) -> bytes:
+    """The one line a warm agent reads (warm_agent.adopt): torchrun's arguments and the rest."""
+    request = {"args": argv[3:], "env": dict(env), "cwd": str(cwd), "log": str(log_path)}
+    return json.dumps(request).encode() + b"\n"
+
+
 def _kill(proc: subprocess.Popen[bytes]) -> None:
     """An agent that will not be used, with anything it started (it leads its own group)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    kill_group(proc.pid, signal.SIGKILL)
     with contextlib.suppress(OSError):
         if proc.stdin is not None:
             proc.stdin.close()
