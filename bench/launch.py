@@ -444,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             f"launch: one epoch of digits, report_every 1, {args.runs} run(s) per mode and setup; "
             f"whole job: cnn on synthetic ({args.synthetic_size} samples) x {args.epochs} epochs, "
             f"{args.long_runs} run(s)",
-            "the product's default settings (scheduler pass every 1 s), not the tests' short intervals",
+            "the product's default settings (a scheduler pass every 1 s while a job waits, every 5 s "
+            "otherwise), not the tests' short intervals",
         ],
         "raw": results,
     }

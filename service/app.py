@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __version__
@@ -38,6 +39,7 @@ from service.workers.router import router as workers_router
 
 log = logging.getLogger("torchjobs.api")
 UPLOAD_PATHS = ("/v1/checkpoints",)
+DATABASE_RETRY_AFTER_S = 2
 
 
 def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> FastAPI:
@@ -182,6 +184,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         methods = _allowed_methods(app, request.url.path)
         headers = {"Allow": ", ".join(methods)} if methods else dict(exc.headers or {})
         return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers=headers)
+
+    @app.exception_handler(OperationalError)
+    async def _database_away(_request: Request, exc: OperationalError) -> JSONResponse:
+        """The database refusing (a restart, a fail-over, SQLite's lock held too long): the
+        request changed nothing, since its transaction did not commit, and may be sent again."""
+        log.warning("database unavailable: %s", str(exc.orig or exc).splitlines()[0][:300])
+        return JSONResponse(
+            {"detail": "the database is unavailable; try again"},
+            status_code=503,
+            headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from service.checkpoints import service as checkpoints_service
@@ -47,12 +48,19 @@ class NodeKey:
     node_rank: int
 
 
-def write_batch(db: Database, key: NodeKey, batch: Batch) -> None:
+JobControl = tuple[str, int]  # the job's (state, attempt): what a supervisor acts on
+
+
+def write_batch(db: Database, key: NodeKey, batch: Batch) -> JobControl | None:
     """Log chunks and progress events of one look, in one transaction. Open streams hear of
     it after the commit (`service.notify`): the events through `append_event`, the log through
-    `mark_logs`. The job's `progress` is written once per batch, with the latest values."""
+    `mark_logs`. The job's `progress` is written once per batch, with the latest values.
+
+    Returns the job's (state, attempt) as that transaction saw it, or None when there was
+    nothing to write or the job is gone: the supervisor takes it for its look at the job, so
+    a node that is storing output costs the database one transaction a look, not two."""
     if not batch:
-        return
+        return None
     with db.transaction() as session:
         if batch.logs:
             session.add_all(
@@ -70,16 +78,23 @@ def write_batch(db: Database, key: NodeKey, batch: Batch) -> None:
             mark_logs(session, key.job_id)
         progress = [e for e in batch.events if e.get("type", "progress") == "progress"]
         if not progress:
-            return
+            return _control(session, key.job_id)
         job = lock_job(session, key.job_id)
-        if job is None or job.attempt != key.attempt:
-            return
-        cleaned = [_clean(event) for event in progress]
-        append_events(session, job.id, [("progress", data) for data in cleaned])
-        latest = dict(job.progress or {})
-        for data in cleaned:
-            latest.update({k: data[k] for k in PROGRESS_FIELDS if k in data})
-        job.progress = latest
+        if job is None:
+            return None
+        if job.attempt == key.attempt:
+            cleaned = [_clean(event) for event in progress]
+            append_events(session, job.id, [("progress", data) for data in cleaned])
+            latest = dict(job.progress or {})
+            for data in cleaned:
+                latest.update({k: data[k] for k in PROGRESS_FIELDS if k in data})
+            job.progress = latest
+        return job.state, job.attempt
+
+
+def _control(session: Session, job_id: int) -> JobControl | None:
+    row = session.execute(select(Job.state, Job.attempt).where(Job.id == job_id)).one_or_none()
+    return (row.state, row.attempt) if row else None
 
 
 def _clean(event: dict[str, Any]) -> dict[str, Any]:
@@ -155,8 +170,7 @@ def record_end(db: Database, key: NodeKey, outcome: NodeOutcome) -> None:
         finish_node(session, key.job_id, key.attempt, key.node_rank, outcome)
 
 
-def job_control(db: Database, job_id: int) -> tuple[str, int] | None:
+def job_control(db: Database, job_id: int) -> JobControl | None:
     """The job's (state, attempt), read without a lock: what a supervisor polls."""
     with db.sessionmaker() as session:
-        row = session.execute(select(Job.state, Job.attempt).where(Job.id == job_id)).one_or_none()
-        return (row.state, row.attempt) if row else None
+        return _control(session, job_id)

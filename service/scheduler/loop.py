@@ -27,6 +27,7 @@ from service.db import Database
 from service.jobs.lifecycle import NODE_ACTIVE, cancel_pending_nodes, end_attempt, open_attempt, runs_of
 from service.jobs.states import ACTIVE, CANCELLING, QUEUED, SCHEDULED, lock_job, transition_job
 from service.models import GpuAllocation, Job, NodeRun, Worker, utcnow
+from service.scheduler.outages import DatabaseOutages
 from service.scheduler.placement import Host, QueuedJob, plan
 from service.workers import repository as workers_repo
 
@@ -46,22 +47,31 @@ Dispatcher = Callable[[list[Dispatch]], None]
 
 
 def run_pass(
-    db: Database, settings: Settings, dispatch: Dispatcher, throttle: ResendThrottle | None = None
+    db: Database,
+    settings: Settings,
+    dispatch: Dispatcher,
+    throttle: ResendThrottle | None = None,
+    outages: DatabaseOutages | None = None,
 ) -> list[Dispatch]:
     try:
         with db.transaction() as session:
-            if (
-                db.is_postgres
-                and not session.execute(
+            locked = (
+                not db.is_postgres
+                or session.execute(
                     text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_KEY}
                 ).scalar_one()
-            ):
+            )
+            if outages is not None:
+                outages.reached()  # (on SQLite, not yet: a failure below says otherwise)
+            if not locked:
                 return []
-            reap(session, settings)
+            reap(session, settings, judge_silence=outages is None or outages.may_judge_silence())
             sent = place(session, settings)
             resend = throttle.due(undelivered(session, settings)) if throttle else []
     except (IntegrityError, OperationalError) as exc:
         log.warning("scheduler pass rolled back: %s", exc.__class__.__name__)
+        if outages is not None and isinstance(exc, OperationalError):
+            outages.unreachable()
         return []
     if sent or resend:
         try:
@@ -103,10 +113,14 @@ class ResendThrottle:
         return fresh
 
 
-def reap(session: Session, settings: Settings) -> None:
-    """Workers silent past the timeout go offline; their nodes are lost; their jobs retry or fail."""
+def reap(session: Session, settings: Settings, judge_silence: bool = True) -> None:
+    """Workers silent past the timeout go offline; their nodes are lost; their jobs retry or fail.
+
+    Not `judge_silence`: the database was away a moment ago (`DatabaseOutages`), so nobody is
+    taken offline, and no node is late, for a silence that was the database's own."""
     now = utcnow()
-    for worker in workers_repo.stale_online(session, now - timedelta(seconds=settings.heartbeat_timeout_s)):
+    stale = workers_repo.stale_online(session, now - timedelta(seconds=settings.heartbeat_timeout_s))
+    for worker in stale if judge_silence else ():
         worker.state = "offline"
         log.warning("worker %s missed its heartbeats: offline", worker.name)
     sessions = {w.name: (w.state, w.session) for w in session.execute(select(Worker)).scalars()}
@@ -115,7 +129,9 @@ def reap(session: Session, settings: Settings) -> None:
         state, current = sessions.get(run.worker_name, ("offline", None))
         gone = state == "offline" or (run.state == "running" and run.worker_session != current)
         late = (
-            run.state == "pending" and (now - run.created_at).total_seconds() > settings.rendezvous_timeout_s
+            judge_silence
+            and run.state == "pending"
+            and (now - run.created_at).total_seconds() > settings.rendezvous_timeout_s
         )
         if gone or late:
             _lose_node(session, run, "worker lost" if gone else f"node {run.node_rank} did not start in time")
@@ -245,6 +261,7 @@ class SchedulerThread(threading.Thread):
         super().__init__(name="torchjobs-scheduler", daemon=True)
         self.db, self.settings, self.dispatch = db, settings, dispatch
         self.throttle = ResendThrottle(settings.redispatch_after_s)
+        self.outages = DatabaseOutages(settings.heartbeat_timeout_s)
         self._wake = threading.Event()
         self._stopping = threading.Event()
 
@@ -259,9 +276,12 @@ class SchedulerThread(threading.Thread):
         while not self._stopping.is_set():
             pause = self.settings.scheduler_interval_s
             try:
-                run_pass(self.db, self.settings, self.dispatch, self.throttle)
+                run_pass(self.db, self.settings, self.dispatch, self.throttle, self.outages)
                 if not has_waiting_work(self.db):
                     pause = max(pause, self.settings.scheduler_idle_interval_s)
+            except OperationalError as exc:  # the database away: said by the pass already
+                self.outages.unreachable()
+                log.warning("scheduler: database unreachable (%s)", exc.__class__.__name__)
             except Exception:  # keep scheduling whatever one pass hit
                 log.exception("scheduler pass failed")
             self._wake.wait(pause)

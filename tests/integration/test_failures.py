@@ -245,3 +245,48 @@ def test_redis_restart_mid_job(stack: Stack) -> None:
         assert done["state"] == "succeeded", done["error"]
         seqs = [e["seq"] for e in stack.events(j["id"])]
         assert seqs == list(range(1, len(seqs) + 1))
+
+
+def refuse_connections(pg_url: str, refuse: bool) -> None:
+    """PostgreSQL turning every connection of this database away, the open ones cut, as
+    through a restart or a fail-over: on a real server, not a mock."""
+    import psycopg
+
+    name = pg_url.rsplit("/", 1)[1]
+    with psycopg.connect(harness.PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS {"false" if refuse else "true"}')
+        if refuse:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+
+
+def test_a_database_outage_mid_job_does_not_stop_the_training(stack: Stack, pg_url: str) -> None:
+    """The ranks keep training through it; what they wrote meanwhile is stored once the
+    database is back: every epoch's checkpoint, every progress report, the log, attempt 1.
+    And the scheduler, back, does not take the worker for lost: its heartbeats could not land."""
+    epochs = 16  # some seconds of training on each side of the outage (about 1 s an epoch here)
+    spec = {**SHORT_SINGLE, "hyperparameters": {**SHORT_SINGLE["hyperparameters"], "epochs": epochs}}
+    job = stack.submit(spec)
+    wait_event(stack, job["id"], lambda e: e["type"] == "progress")
+    refuse_connections(pg_url, True)
+    try:
+        started = time.monotonic()
+        with stack.client() as c:  # meanwhile the API says so, and a submit changes nothing
+            for resp in (c.get("/v1/jobs"), c.post("/v1/jobs", json=spec)):
+                assert resp.status_code == 503, resp.text
+                assert resp.headers["retry-after"] and "database" in resp.json()["detail"]
+        # Longer than the tests' heartbeat timeout (6 s): no worker may look lost for it.
+        time.sleep(max(0.0, 8 - (time.monotonic() - started)))
+    finally:
+        refuse_connections(pg_url, False)
+    done = stack.wait_job(job["id"], timeout=300)
+    assert done["state"] == "succeeded", done["error"]
+    assert done["attempt"] == 1
+    events = stack.events(job["id"])
+    assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    with stack.client() as c:
+        ckpts = c.get(f"/v1/jobs/{job['id']}/checkpoints").json()["items"]
+    assert sorted(ck["epoch"] for ck in ckpts) == list(range(1, epochs + 1))
+    reports = [e["data"] for e in events if e["type"] == "progress"]
+    assert any(r.get("epoch") == epochs for r in reports)
+    with stack.client() as c:
+        assert [j["id"] for j in c.get("/v1/jobs").json()["items"]] == [job["id"]]

@@ -25,10 +25,10 @@ from service.jobs.states import CANCELLING
 from workers.launcher.command import LaunchPlan, config_json, processes_per_node
 from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
-from workers.launcher.ingest import CheckpointWatcher, EventsTail, RankLogs, epoch_from_name
+from workers.launcher.ingest import CheckpointWatcher, EventsTail, FoundCheckpoint, RankLogs, epoch_from_name
 from workers.launcher.procs import kill_group, kill_under, pids_under, signal_all
 from workers.launcher.warm_pool import WarmAgentPool
-from workers.reporter import Batch, NodeKey
+from workers.reporter import END_WRITE_PATIENCE_S, Batch, JobControl, NodeKey
 
 log = logging.getLogger("torchjobs.worker")
 POLL_S = 0.25
@@ -37,16 +37,15 @@ BATCH_EVERY_S = 0.5
 # While stored output waits on a database that refuses it, read no more than this (the files
 # keep the rest): back-pressure instead of memory without bound.
 MAX_PENDING_BYTES = 64 * 1024 * 1024
-FINAL_WRITE_TRIES = 10
 
 
 @dataclass
 class Hooks:
     """The supervisor's only ways out: injected so unit tests can drive it without a database."""
 
-    write_batch: Callable[[Batch], None]
+    write_batch: Callable[[Batch], JobControl | None]
     record_checkpoint: Callable[[Any, dict[str, Any] | None, int], None]
-    job_control: Callable[[], tuple[str, int] | None]
+    job_control: Callable[[], JobControl | None]
 
 
 class NodeSupervisor:
@@ -74,6 +73,9 @@ class NodeSupervisor:
         self.checkpoints = CheckpointWatcher(paths.checkpoints)
         self.ckpt_meta: dict[str, dict[str, Any]] = {}
         self.pending = Batch()  # read but not yet stored (its write failed): sent first next time
+        self.unrecorded: list[FoundCheckpoint] = []  # complete files not yet recorded, in order
+        self.seen: JobControl | None = None  # the job as the last stored batch found it
+        self.storing_fails = False  # the last write or look failed: said once, not every look
         self.backlog = False  # a file had more than one read takes: look again without waiting
         self.stop_reason: str | None = None
 
@@ -123,9 +125,15 @@ class NodeSupervisor:
     def _should_stop(self) -> str | None:
         if self.shutdown.is_set():
             return "shutdown"
-        control = self.hooks.job_control()
+        control, self.seen = self.seen, None
         if control is None:
-            return "gone"
+            try:
+                control = self.hooks.job_control()
+            except Exception:  # the database away: the ranks train on, the next look asks again
+                self._storing(fails=True)
+                return None
+            if control is None:
+                return "gone"
         state, attempt = control
         if attempt != self.key.attempt:
             return "superseded"
@@ -134,6 +142,18 @@ class NodeSupervisor:
         if state in ("succeeded", "failed", "cancelled", "queued"):
             return "superseded"
         return None
+
+    def _storing(self, fails: bool) -> None:
+        """Say when the database (or the storage) starts and stops refusing this node, once."""
+        if fails and not self.storing_fails:
+            log.warning(
+                "job %s node %s: storing fails (database away?); the ranks go on, their output waits",
+                *self._ids(),
+                exc_info=True,
+            )
+        elif not fails and self.storing_fails:
+            log.info("job %s node %s: storing works again; what waited is stored", *self._ids())
+        self.storing_fails = fails
 
     def _stop(self, proc: subprocess.Popen[bytes]) -> int:
         """SIGTERM to the agent and to every rank (each in its own session), SIGKILL after the grace."""
@@ -152,38 +172,60 @@ class NodeSupervisor:
         return proc.wait()
 
     def _ingest(self, final: bool) -> None:
-        """Store what the ranks wrote since the last look, as one batch (one transaction).
+        """Store what the ranks wrote since the last look, as one batch (one transaction), then
+        record the checkpoint files that are complete.
 
         While the node runs that is one batch per look, at most `MAX_READ` per file; at the end
         (`final`) batches follow each other until every file is drained, so that what a rank
-        printed just before it exited is stored too. A batch the database refused is kept and
-        sent again with the next one: no byte or report is dropped on a transient error.
+        printed just before it exited is stored too. Whatever the database or the storage
+        refused (a batch, a checkpoint) is kept and tried again first at the next look, and at
+        the end for as long as `record_end` waits for the database: no byte, report or
+        checkpoint is dropped because the database was away for a while.
         """
+        deadline = time.monotonic() + END_WRITE_PATIENCE_S
         tries = 0
         while True:
-            batch = self._collect(final)
-            try:
-                self.hooks.write_batch(batch)
-            except Exception:
-                self.pending = batch
-                tries += 1
-                log.exception("job %s node %s: could not store output; will retry", *self._ids())
-                if not final:
-                    break
-                if tries >= FINAL_WRITE_TRIES:
-                    log.error("job %s node %s: giving up on storing the last output", *self._ids())
-                    self.pending = Batch()
-                    break
-                time.sleep(min(2.0, 0.2 * 2**tries))
-                continue
-            if not (final and self.backlog):
-                break
-        for found in self.checkpoints.poll(final=final):
+            stored = self._store_batch(final) and self._record_checkpoints(final)
+            if stored:
+                self._storing(fails=False)
+            if not final or (stored and not self.backlog):
+                return
+            if stored:
+                continue  # the files hold more than one look takes
+            tries += 1
+            if time.monotonic() >= deadline:
+                log.error("job %s node %s: giving up on storing the last output", *self._ids())
+                self.pending, self.unrecorded = Batch(), []
+                return
+            time.sleep(min(10.0, 0.2 * 2**tries))
+
+    def _store_batch(self, final: bool) -> bool:
+        batch = self._collect(final)
+        try:
+            seen = self.hooks.write_batch(batch)
+        except Exception:
+            self._storing(fails=True)
+            self.pending = batch
+            return False
+        if seen is not None:
+            self.seen = seen
+        return True
+
+    def _record_checkpoints(self, final: bool) -> bool:
+        """The complete files in the order they were written; on a failure that one and the
+        ones after it wait for the next look."""
+        todo, self.unrecorded = self.unrecorded + self.checkpoints.poll(final=final), []
+        for i, found in enumerate(todo):
             meta = self.ckpt_meta.get(found.path.name) or {"epoch": epoch_from_name(found.path.name)}
             try:
                 self.hooks.record_checkpoint(found.path, meta, found.version)
-            except OSError:
-                log.exception("job %s: could not store checkpoint %s", self.key.job_id, found.path.name)
+            except FileNotFoundError:
+                log.warning("job %s: checkpoint %s was removed before it was stored", *self._file(found))
+            except Exception:
+                self._storing(fails=True)
+                self.unrecorded = todo[i:]
+                return False
+        return True
 
     def _collect(self, final: bool) -> Batch:
         batch, self.pending = self.pending, Batch()
@@ -206,6 +248,9 @@ class NodeSupervisor:
 
     def _ids(self) -> tuple[int, int]:
         return self.key.job_id, self.key.node_rank
+
+    def _file(self, found: FoundCheckpoint) -> tuple[int, str]:
+        return self.key.job_id, found.path.name
 
     def _outcome(self, rc: int) -> NodeOutcome:
         if self.stop_reason == "cancel":

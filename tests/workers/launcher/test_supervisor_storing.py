@@ -1,0 +1,119 @@
+"""The supervisor against a database that goes away and a look at the job that rides on the
+batch: a node keeps training while its writes fail, keeps what it could not store, and asks
+the database about the job only when no batch told it already. The hooks are plain functions
+here; the real database outage is tests/integration/test_failures.py."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from workers.launcher.command import LaunchPlan, NodePaths
+from workers.launcher.supervisor import Hooks, NodeSupervisor
+from workers.reporter import Batch, JobControl, NodeKey
+
+# A stand-in for torchrun: a progress line every 50 ms in the events file, one checkpoint file
+# per "epoch" (written, then renamed into place), for `seconds`, then exit 0.
+FAKE_TRAINING = """
+import json, os, sys, time
+events, ckpts, seconds, epochs = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+os.makedirs(ckpts, exist_ok=True)
+end, step = time.monotonic() + seconds, 0
+with open(events, "a") as fh:
+    while time.monotonic() < end:
+        step += 1
+        fh.write(json.dumps({"type": "progress", "step": step}) + "\\n")
+        fh.flush()
+        time.sleep(0.05)
+for epoch in range(1, epochs + 1):
+    with open(os.path.join(ckpts, f"epoch-{epoch}.pt.tmp"), "wb") as out:
+        out.write(b"x" * epoch)
+    os.rename(os.path.join(ckpts, f"epoch-{epoch}.pt.tmp"), os.path.join(ckpts, f"epoch-{epoch}.pt"))
+"""
+
+
+def supervisor(tmp_path: Path, hooks: Hooks, seconds: float, epochs: int = 0) -> NodeSupervisor:
+    paths = NodePaths(run_dir=tmp_path / "node")
+    argv = [sys.executable, "-c", FAKE_TRAINING, str(paths.events), str(paths.checkpoints), str(seconds)]
+    plan = LaunchPlan(argv=[*argv, str(epochs)], env={}, cwd=tmp_path, paths=paths, config=None)
+    return NodeSupervisor(
+        key=NodeKey(job_id=1, attempt=1, node_rank=0),
+        plan=plan,
+        mode="single",
+        gpus=1,
+        hooks=hooks,
+        grace_s=1,
+        shutdown=threading.Event(),
+    )
+
+
+class Recorder:
+    """Hooks that fail their first `fail` calls each, then store."""
+
+    def __init__(self, fail: int = 0, control: JobControl | None = ("running", 1)) -> None:
+        self.fail = {"batch": fail, "control": fail, "checkpoint": fail}
+        self.control_state = control
+        self.steps: list[int] = []
+        self.checkpoints: list[str] = []
+        self.control_looks = 0
+
+    def _maybe_fail(self, what: str) -> None:
+        if self.fail[what]:
+            self.fail[what] -= 1
+            raise ConnectionError(f"{what}: the database is away")
+
+    def write_batch(self, batch: Batch) -> JobControl | None:
+        self._maybe_fail("batch")
+        self.steps += [e["step"] for e in batch.events]
+        return self.control_state if batch else None
+
+    def job_control(self) -> JobControl | None:
+        self.control_looks += 1
+        self._maybe_fail("control")
+        return ("running", 1)
+
+    def record_checkpoint(self, path: Any, meta: dict[str, Any] | None, version: int) -> None:
+        self._maybe_fail("checkpoint")
+        self.checkpoints.append(path.name)
+
+    def hooks(self) -> Hooks:
+        return Hooks(
+            write_batch=self.write_batch,
+            record_checkpoint=self.record_checkpoint,
+            job_control=self.job_control,
+        )
+
+
+def test_a_node_trains_on_while_the_database_is_away_and_loses_nothing(tmp_path: Path) -> None:
+    rec = Recorder(fail=4)  # two seconds of failed batches, four failed looks at the job
+    rec.control_state = None  # no batch tells the state: every look goes to the database
+    outcome = supervisor(tmp_path, rec.hooks(), seconds=3.0, epochs=3).run()
+    assert outcome.state == "succeeded"
+    assert rec.fail == {"batch": 0, "control": 0, "checkpoint": 0}  # it did meet every refusal
+    assert rec.steps == list(range(1, len(rec.steps) + 1)) and len(rec.steps) > 20
+    assert rec.checkpoints == ["epoch-1.pt", "epoch-2.pt", "epoch-3.pt"]
+
+
+def test_a_checkpoint_refused_at_the_end_is_recorded_once_storing_works(tmp_path: Path) -> None:
+    rec = Recorder()
+    rec.fail["checkpoint"] = 2
+    outcome = supervisor(tmp_path, rec.hooks(), seconds=0.2, epochs=2).run()
+    assert outcome.state == "succeeded"
+    assert rec.checkpoints == ["epoch-1.pt", "epoch-2.pt"]
+
+
+def test_the_look_at_the_job_rides_on_the_batch(tmp_path: Path) -> None:
+    rec = Recorder()
+    outcome = supervisor(tmp_path, rec.hooks(), seconds=3.0).run()
+    assert outcome.state == "succeeded" and len(rec.steps) > 20
+    # Some 3 looks at the job; only the first, before the process had written, asked for it.
+    assert rec.control_looks <= 1
+
+
+def test_a_cancel_seen_by_a_batch_stops_the_node(tmp_path: Path) -> None:
+    rec = Recorder(control=("cancelling", 1))
+    outcome = supervisor(tmp_path, rec.hooks(), seconds=60.0).run()
+    assert outcome.state == "cancelled"
+    assert rec.control_looks <= 1
