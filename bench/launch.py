@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["single", "ddp"], choices=["single", "ddp"])
     parser.add_argument("--runs", type=int, default=5, help="launch runs per mode and setup")
     parser.add_argument("--long-modes", nargs="+", default=["ddp"], choices=["single", "ddp"])
-    parser.add_argument("--long-runs", type=int, default=8, help="pairs of one-minute runs (noisy: more)")
+    parser.add_argument("--long-runs", type=int, default=10, help="pairs of one-minute runs (noisy: more)")
     parser.add_argument("--synthetic-size", type=int, default=49152, help="of the ~1 minute job")
     parser.add_argument("--epochs", type=int, default=4, help="of the ~1 minute job")
     parser.add_argument("--artifacts", type=Path, default=REPO / "test-artifacts" / "bench" / "launch")
