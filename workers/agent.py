@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 from celery import Celery, signals
+from sqlalchemy.exc import OperationalError
 
 from service.config import Settings
 from service.db import Database
@@ -83,6 +84,8 @@ class Heartbeat(threading.Thread):
                 with self.ctx.db.transaction() as session:
                     if not workers_repo.heartbeat(session, self.ctx.name, self.ctx.session_id, utcnow()):
                         log.error("worker %s was taken over by another process", self.ctx.name)
+            except OperationalError as exc:  # the database away: one line a beat, no traceback
+                log.warning("heartbeat failed (%s); will retry", str(exc.orig or exc).splitlines()[0][:200])
             except Exception:
                 log.exception("heartbeat failed; will retry")
 

@@ -40,6 +40,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         return "skipped"
     run_dir = ctx.run_root / f"job-{job_id}" / f"attempt-{attempt}" / f"node-{node_rank}"
     supervisor = None
+    node_db = reporter.NodeConnection(ctx.db)
     try:
         launch = _launch(ctx, key, claimed, run_dir)
         supervisor = NodeSupervisor(
@@ -48,7 +49,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             mode=launch.mode,
             gpus=len(launch.gpus),
             hooks=Hooks(
-                write_batch=lambda b: reporter.write_batch(ctx.db, key, b),
+                write_batch=lambda b: reporter.write_batch(node_db, key, b),
                 record_checkpoint=lambda p, m, v: reporter.record_checkpoint(
                     ctx.db, ctx.storage, key, p, m, v
                 ),
@@ -67,6 +68,8 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
     except Exception as exc:  # the node must always report, whatever broke
         log.exception("job %s node %s crashed in the supervisor", job_id, node_rank)
         outcome = NodeOutcome(state="failed", error=f"node {node_rank}: worker error: {exc}", retryable=True)
+    finally:
+        node_db.close()
     reporter.record_end(ctx.db, key, outcome)
     if supervisor is not None:
         supervisor.cleanup()

@@ -6,13 +6,16 @@ coalesced, never one transaction per line.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Connection, select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -21,7 +24,7 @@ from service.checkpoints import service as checkpoints_service
 from service.db import Database
 from service.jobs.lifecycle import NodeOutcome, finish_node
 from service.jobs.schemas import PROGRESS_FIELDS
-from service.jobs.states import append_event, append_events, lock_job
+from service.jobs.states import append_attempt_events, append_event
 from service.models import Checkpoint, Job, LogChunk
 from service.notify import mark_logs
 from service.schemas import checkpoint_out
@@ -51,7 +54,37 @@ class NodeKey:
 JobControl = tuple[str, int]  # the job's (state, attempt): what a supervisor acts on
 
 
-def write_batch(db: Database, key: NodeKey, batch: Batch) -> JobControl | None:
+class NodeConnection:
+    """A running node's own database connection, kept from one look to the next.
+
+    A connection taken from the pool is pinged first (on PostgreSQL a round trip of its own);
+    a node stores a batch every half second, for hours, so it keeps one. A transaction that
+    fails drops it, and the next look takes a fresh one from the pool: the supervisor keeps
+    whatever could not be stored meanwhile."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.conn: Connection | None = None
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        if self.conn is None:
+            self.conn = self.db.engine.connect()
+        try:
+            with self.db.sessionmaker(bind=self.conn) as session, session.begin():
+                yield session
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # a connection already broken
+                conn.close()
+
+
+def write_batch(db: Database | NodeConnection, key: NodeKey, batch: Batch) -> JobControl | None:
     """Log chunks and progress events of one look, in one transaction. Open streams hear of
     it after the commit (`service.notify`): the events through `append_event`, the log through
     `mark_logs`. The job's `progress` is written once per batch, with the latest values.
@@ -79,17 +112,16 @@ def write_batch(db: Database, key: NodeKey, batch: Batch) -> JobControl | None:
         progress = [e for e in batch.events if e.get("type", "progress") == "progress"]
         if not progress:
             return _control(session, key.job_id)
-        job = lock_job(session, key.job_id)
-        if job is None:
-            return None
-        if job.attempt == key.attempt:
-            cleaned = [_clean(event) for event in progress]
-            append_events(session, job.id, [("progress", data) for data in cleaned])
-            latest = dict(job.progress or {})
-            for data in cleaned:
-                latest.update({k: data[k] for k in PROGRESS_FIELDS if k in data})
-            job.progress = latest
-        return job.state, job.attempt
+        cleaned = [_clean(event) for event in progress]
+        job = append_attempt_events(session, key.job_id, key.attempt, [("progress", d) for d in cleaned])
+        if job is None:  # gone, or on another attempt: its reports are not this job's now
+            return _control(session, key.job_id)
+        latest = dict(job.progress or {})
+        for data in cleaned:
+            latest.update({k: data[k] for k in PROGRESS_FIELDS if k in data})
+        if latest != job.progress:
+            session.execute(update(Job).where(Job.id == key.job_id).values(progress=latest))
+        return job.state, key.attempt
 
 
 def _control(session: Session, job_id: int) -> JobControl | None:

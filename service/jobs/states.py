@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import Row, delete, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import Conflict
@@ -63,6 +63,31 @@ def append_events(session: Session, job_id: int, items: list[tuple[str, dict[str
         .returning(Job.last_event_seq)
         .execution_options(synchronize_session=False)
     ).scalar_one()
+    return _add_events(session, job_id, last, items)
+
+
+def append_attempt_events(
+    session: Session, job_id: int, attempt: int, items: list[tuple[str, dict[str, Any]]]
+) -> Row[tuple[int, str, dict[str, Any] | None]] | None:
+    """`append_events` for one attempt of the job, or nothing: one statement allocates the
+    `seq`s, takes the row lock and returns the job's (last_event_seq, state, progress), where
+    a lock, a check and an update took three. None, with nothing appended, when the job is
+    gone or has moved on to another attempt."""
+    row = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.attempt == attempt)
+        .values(last_event_seq=Job.last_event_seq + len(items))
+        .returning(Job.last_event_seq, Job.state, Job.progress)
+        .execution_options(synchronize_session=False)
+    ).one_or_none()
+    if row is not None:
+        _add_events(session, job_id, row.last_event_seq, items)
+    return row
+
+
+def _add_events(
+    session: Session, job_id: int, last: int, items: list[tuple[str, dict[str, Any]]]
+) -> list[JobEvent]:
     now = utcnow()
     first = last - len(items) + 1
     events = [

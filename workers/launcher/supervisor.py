@@ -111,7 +111,8 @@ class NodeSupervisor:
                 if rc is not None:
                     return rc  # run() reads what is left, all of it, once
                 now = time.monotonic()
-                if now >= next_batch or self.backlog:
+                hurry = self.backlog and not self.storing_fails  # never hammer a database away
+                if now >= next_batch or hurry:
                     self._ingest(final=False)
                     next_batch = now + BATCH_EVERY_S
                 if self.stop_reason is None and now >= next_control:
@@ -120,7 +121,7 @@ class NodeSupervisor:
                     if self.stop_reason is not None:
                         return self._stop(proc)
                 due = min(next_batch, next_control) - time.monotonic()
-                exited.wait(0.0 if self.backlog else due)
+                exited.wait(0.0 if self.backlog and not self.storing_fails else due)
 
     def _should_stop(self) -> str | None:
         if self.shutdown.is_set():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,53 @@ def test_a_cancel_seen_by_a_batch_stops_the_node(tmp_path: Path) -> None:
     outcome = supervisor(tmp_path, rec.hooks(), seconds=60.0).run()
     assert outcome.state == "cancelled"
     assert rec.control_looks <= 1
+
+
+# Output past what the supervisor holds while storing fails (MAX_PENDING_BYTES, 64 MiB).
+FLOOD = """
+import os, sys
+rank_dir = os.path.join(sys.argv[1], "run", "attempt_0", "0")
+os.makedirs(rank_dir)
+open(os.path.join(rank_dir, "stderr.log"), "wb").close()
+with open(os.path.join(rank_dir, "stdout.log"), "wb") as out:
+    line = b"z" * 1023 + b"\\n"
+    for _ in range(72 * 1024):  # 72 MiB
+        out.write(line)
+import time
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_backlog_is_not_hurried_while_storing_fails(tmp_path: Path) -> None:
+    """With more output waiting than one look takes, the supervisor looks again at once; while
+    the database refuses, it must wait its half second instead of retrying in a tight loop."""
+    paths = NodePaths(run_dir=tmp_path / "node")
+    argv = [sys.executable, "-c", FLOOD, str(paths.logs), "3"]
+    plan = LaunchPlan(argv=argv, env={}, cwd=tmp_path, paths=paths, config=None)
+    tries = {"failed": 0}
+    stored: list[int] = []
+    refuse_until = time.monotonic() + 2.5
+
+    def write_batch(batch: Batch) -> JobControl | None:
+        if time.monotonic() < refuse_until:
+            tries["failed"] += 1
+            raise ConnectionError("the database is away")
+        stored.extend(len(data) for _, _, data in batch.logs)
+        return ("running", 1)
+
+    hooks = Hooks(
+        write_batch=write_batch, record_checkpoint=lambda *_: None, job_control=lambda: ("running", 1)
+    )
+    node = NodeSupervisor(
+        key=NodeKey(job_id=1, attempt=1, node_rank=0),
+        plan=plan,
+        mode="single",
+        gpus=1,
+        hooks=hooks,
+        grace_s=1,
+        shutdown=threading.Event(),
+    )
+    assert node.run().state == "succeeded"
+    assert sum(stored) == 72 * 1024 * 1024  # nothing lost
+    # About one try per half second over 2.5 s, plus the first backlog's quick looks.
+    assert tries["failed"] <= 25, tries
