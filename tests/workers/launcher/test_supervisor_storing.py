@@ -38,7 +38,11 @@ for epoch in range(1, epochs + 1):
 def supervisor(tmp_path: Path, hooks: Hooks, seconds: float, epochs: int = 0) -> NodeSupervisor:
     paths = NodePaths(run_dir=tmp_path / "node")
     argv = [sys.executable, "-c", FAKE_TRAINING, str(paths.events), str(paths.checkpoints), str(seconds)]
-    plan = LaunchPlan(argv=[*argv, str(epochs)], env={}, cwd=tmp_path, paths=paths, config=None)
+    return node(paths, [*argv, str(epochs)], hooks)
+
+
+def node(paths: NodePaths, argv: list[str], hooks: Hooks) -> NodeSupervisor:
+    plan = LaunchPlan(argv=argv, env={}, cwd=paths.run_dir.parent, paths=paths, config=None)
     return NodeSupervisor(
         key=NodeKey(job_id=1, attempt=1, node_rank=0),
         plan=plan,
@@ -140,7 +144,6 @@ def test_a_backlog_is_not_hurried_while_storing_fails(tmp_path: Path) -> None:
     the database refuses, it must wait its half second instead of retrying in a tight loop."""
     paths = NodePaths(run_dir=tmp_path / "node")
     argv = [sys.executable, "-c", FLOOD, str(paths.logs), "3"]
-    plan = LaunchPlan(argv=argv, env={}, cwd=tmp_path, paths=paths, config=None)
     tries = {"failed": 0}
     stored: list[int] = []
     refuse_until = time.monotonic() + 2.5
@@ -155,16 +158,7 @@ def test_a_backlog_is_not_hurried_while_storing_fails(tmp_path: Path) -> None:
     hooks = Hooks(
         write_batch=write_batch, record_checkpoint=lambda *_: None, job_control=lambda: ("running", 1)
     )
-    node = NodeSupervisor(
-        key=NodeKey(job_id=1, attempt=1, node_rank=0),
-        plan=plan,
-        mode="single",
-        gpus=1,
-        hooks=hooks,
-        grace_s=1,
-        shutdown=threading.Event(),
-    )
-    assert node.run().state == "succeeded"
+    assert node(paths, argv, hooks).run().state == "succeeded"
     assert sum(stored) == 72 * 1024 * 1024  # nothing lost
     # About one try per half second over 2.5 s, plus the first backlog's quick looks.
     assert tries["failed"] <= 25, tries
