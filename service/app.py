@@ -23,7 +23,7 @@ from service.auth.tokens import ensure_admin
 from service.checkpoints.router import router as checkpoints_router
 from service.config import Settings
 from service.dashboard.router import router as dashboard_router
-from service.db import Database
+from service.db import Database, unavailable_reason
 from service.errors import TorchJobsError
 from service.jobs.router import router as jobs_router
 from service.jobs.view_cache import ViewCache
@@ -189,7 +189,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _database_away(_request: Request, exc: OperationalError) -> JSONResponse:
         """The database refusing (a restart, a fail-over, SQLite's lock held too long): the
         request changed nothing, since its transaction did not commit, and may be sent again."""
-        log.warning("database unavailable: %s", str(exc.orig or exc).splitlines()[0][:300])
+        log.warning("database unavailable: %s", unavailable_reason(exc))
         return JSONResponse(
             {"detail": "the database is unavailable; try again"},
             status_code=503,

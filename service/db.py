@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
@@ -70,6 +71,12 @@ def make_engine(settings: Settings) -> Engine:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
     return create_engine(url, pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW, pool_pre_ping=True)
+
+
+def unavailable_reason(exc: DBAPIError) -> str:
+    """The driver's first line ("connection failed: … not currently accepting connections"):
+    what a log needs of a database that is away, without SQLAlchemy's statement and link."""
+    return str(exc.orig or exc).splitlines()[0][:300]
 
 
 class Database:

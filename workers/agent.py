@@ -20,7 +20,7 @@ from celery import Celery, signals
 from sqlalchemy.exc import OperationalError
 
 from service.config import Settings
-from service.db import Database
+from service.db import Database, unavailable_reason
 from service.models import utcnow
 from service.storage import Storage
 from service.workers import repository as workers_repo
@@ -85,7 +85,7 @@ class Heartbeat(threading.Thread):
                     if not workers_repo.heartbeat(session, self.ctx.name, self.ctx.session_id, utcnow()):
                         log.error("worker %s was taken over by another process", self.ctx.name)
             except OperationalError as exc:  # the database away: one line a beat, no traceback
-                log.warning("heartbeat failed (%s); will retry", str(exc.orig or exc).splitlines()[0][:200])
+                log.warning("heartbeat failed (%s); will retry", unavailable_reason(exc))
             except Exception:
                 log.exception("heartbeat failed; will retry")
 

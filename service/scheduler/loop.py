@@ -119,8 +119,8 @@ def reap(session: Session, settings: Settings, judge_silence: bool = True) -> No
     Not `judge_silence`: the database was away a moment ago (`DatabaseOutages`), so nobody is
     taken offline, and no node is late, for a silence that was the database's own."""
     now = utcnow()
-    stale = workers_repo.stale_online(session, now - timedelta(seconds=settings.heartbeat_timeout_s))
-    for worker in stale if judge_silence else ():
+    cutoff = now - timedelta(seconds=settings.heartbeat_timeout_s)
+    for worker in workers_repo.stale_online(session, cutoff) if judge_silence else ():
         worker.state = "offline"
         log.warning("worker %s missed its heartbeats: offline", worker.name)
     sessions = {w.name: (w.state, w.session) for w in session.execute(select(Worker)).scalars()}
@@ -279,7 +279,7 @@ class SchedulerThread(threading.Thread):
                 run_pass(self.db, self.settings, self.dispatch, self.throttle, self.outages)
                 if not has_waiting_work(self.db):
                     pause = max(pause, self.settings.scheduler_idle_interval_s)
-            except OperationalError as exc:  # the database away: said by the pass already
+            except OperationalError as exc:  # the database away (has_waiting_work; run_pass catches its own)
                 self.outages.unreachable()
                 log.warning("scheduler: database unreachable (%s)", exc.__class__.__name__)
             except Exception:  # keep scheduling whatever one pass hit

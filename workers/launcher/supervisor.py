@@ -111,8 +111,7 @@ class NodeSupervisor:
                 if rc is not None:
                     return rc  # run() reads what is left, all of it, once
                 now = time.monotonic()
-                hurry = self.backlog and not self.storing_fails  # never hammer a database away
-                if now >= next_batch or hurry:
+                if now >= next_batch or self._behind():
                     self._ingest(final=False)
                     next_batch = now + BATCH_EVERY_S
                 if self.stop_reason is None and now >= next_control:
@@ -121,7 +120,12 @@ class NodeSupervisor:
                     if self.stop_reason is not None:
                         return self._stop(proc)
                 due = min(next_batch, next_control) - time.monotonic()
-                exited.wait(0.0 if self.backlog and not self.storing_fails else due)
+                exited.wait(0.0 if self._behind() else due)
+
+    def _behind(self) -> bool:
+        """More output waits in the files than one look takes: look again at once, unless
+        storing fails (a database that is away is not hammered)."""
+        return self.backlog and not self.storing_fails
 
     def _should_stop(self) -> str | None:
         if self.shutdown.is_set():
@@ -221,7 +225,8 @@ class NodeSupervisor:
             try:
                 self.hooks.record_checkpoint(found.path, meta, found.version)
             except FileNotFoundError:
-                log.warning("job %s: checkpoint %s was removed before it was stored", *self._file(found))
+                name = found.path.name
+                log.warning("job %s: checkpoint %s was removed before it was stored", self.key.job_id, name)
             except Exception:
                 self._storing(fails=True)
                 self.unrecorded = todo[i:]
@@ -249,9 +254,6 @@ class NodeSupervisor:
 
     def _ids(self) -> tuple[int, int]:
         return self.key.job_id, self.key.node_rank
-
-    def _file(self, found: FoundCheckpoint) -> tuple[int, str]:
-        return self.key.job_id, found.path.name
 
     def _outcome(self, rc: int) -> NodeOutcome:
         if self.stop_reason == "cancel":
