@@ -9,7 +9,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
@@ -33,6 +35,7 @@ from service.metrics.router import router as metrics_router
 from service.notify import freed_signal_path, is_redis
 from service.scheduler.loop import Dispatch, SchedulerThread
 from service.scheduler.wakeups import FreedGpuFileWatcher, FreedGpuListener
+from service.schemas import json_safe
 from service.streams.router import router as streams_router
 from service.users.router import router as users_router
 from service.workers.router import router as workers_router
@@ -184,6 +187,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         methods = _allowed_methods(app, request.url.path)
         headers = {"Allow": ", ".join(methods)} if methods else dict(exc.headers or {})
         return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's 422, with the quoted input made sendable: a lone surrogate in a body made
+        its own encoder fail, a 500 for a bad request."""
+        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
 
     @app.exception_handler(OperationalError)
     async def _database_away(_request: Request, exc: OperationalError) -> JSONResponse:

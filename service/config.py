@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -41,6 +41,16 @@ class Settings(BaseSettings):
     rendezvous_timeout_s: float = 120.0
     preflight_timeout_s: float = Field(60.0, gt=0)
     warm_agent: bool = True  # keep one torchrun agent waiting with torch imported
+    # Walls between users (contract §7, workers/launcher/sandbox.py): "auto" sandboxes ranks
+    # whenever the worker can, "off" never does (the worker then says isolation "none").
+    sandbox: Literal["auto", "off"] = "auto"
+    sandbox_user: str = "torchjobs-run"  # a root worker's ranks run as this user (else nobody)
+    allow_unisolated: bool = False  # an unsandboxed worker takes every user's jobs, not the admin's only
+    # the worker's own variables that reach ranks: names, or prefixes ending in "*"; never
+    # TORCHJOBS_*, AWS_* or the like, whatever this says (workers/launcher/command.py)
+    rank_env_allow: str = (
+        "OMP_NUM_THREADS,MKL_NUM_THREADS,NCCL_*,GLOO_*,CUDA_DEVICE_ORDER,CUDA_MODULE_LOADING"
+    )
     redispatch_after_s: float = 10.0
     cache_max_bytes: int = 20 * 1024**3
     master_port_base: int = 29400

@@ -7,6 +7,47 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+
+def unstorable(value: Any) -> str | None:
+    """Why a request value cannot be stored, or None: PostgreSQL refuses a NUL character in
+    text, and a lone surrogate is not Unicode (no encoder, ours or the database's, takes it).
+    Looks through dict keys and values and lists, since specs nest free-form maps."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            return "may not contain a NUL character"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "may not contain a lone surrogate (not valid Unicode)"
+        return None
+    if isinstance(value, dict):
+        items: list[Any] = [*value.keys(), *value.values()]
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        return None
+    return next((why for why in map(unstorable, items) if why), None)
+
+
+def require_storable(value: Any) -> Any:
+    why = unstorable(value)
+    if why:
+        raise ValueError(why)
+    return value
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every string encodable (a lone surrogate shown as its escape), so that an
+    error that quotes the bad input can itself be sent."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {json_safe(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
 # Ids and event sequence numbers are 32-bit INTEGER columns: a larger number in a path or a
 # query is a 422, never a database error.
 MAX_ID = 2**31 - 1

@@ -261,6 +261,9 @@ def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
     """
     needle = f"TORCHJOBS_JOB_ID={job_id}".encode()
     where = f"TORCHJOBS_CHECKPOINT_DIR={home}".encode() if home else b""
+    from workers.launcher.procs import sandbox_run_dirs
+
+    sandboxes = {ns: run_dir for ns, (_outer, run_dir) in sandbox_run_dirs().items()}
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -270,11 +273,23 @@ def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
                 env = fh.read().split(b"\0")
         except OSError:
             continue
-        if (needle in env and (not where or any(v.startswith(where) for v in env))) or _warm_agent_of(
+        run_dir = sandboxes.get(_pid_namespace(entry) or "")
+        if run_dir is not None:  # a sandboxed rank: its view says /job; its sandbox says where
+            mine = f"/job-{job_id}/" in run_dir and (home is None or run_dir.startswith(str(home)))
+            if mine:
+                found.append(int(entry))
+        elif (needle in env and (not where or any(v.startswith(where) for v in env))) or _warm_agent_of(
             entry, job_id, home
         ):
             found.append(int(entry))
     return found
+
+
+def _pid_namespace(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
 
 
 def _warm_agent_of(pid: str, job_id: int, home: Path | None) -> bool:

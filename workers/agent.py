@@ -27,7 +27,9 @@ from service.workers import repository as workers_repo
 from workers import context
 from workers.celery_app import make_celery, queue_for
 from workers.context import WorkerContext
+from workers.launcher import sandbox
 from workers.launcher.procs import kill_under
+from workers.launcher.sandbox import Isolation
 from workers.launcher.supervisor import remove_run_dir, warm_agents
 from workers.tasks import register_tasks
 
@@ -69,7 +71,22 @@ def register(ctx: WorkerContext) -> None:
             gpus=ctx.gpus,
             session_id=ctx.session_id,
             now=utcnow(),
+            isolation=ctx.isolation.kind,
+            isolation_detail=ctx.isolation.detail,
+            open_to_all=ctx.isolation.sandboxed or ctx.settings.allow_unisolated,
         )
+
+
+def announce_isolation(iso: Isolation, settings: Settings) -> None:
+    """Say at start how ranks are walled off, or why they are not and what follows from it."""
+    if iso.sandboxed:
+        log.info("ranks run sandboxed: %s", iso.detail)
+    elif settings.allow_unisolated:
+        log.warning("ranks run WITHOUT a sandbox (%s); every user's jobs are taken "
+                    "(TORCHJOBS_ALLOW_UNISOLATED=true)", iso.detail)  # fmt: skip
+    else:
+        log.warning("ranks cannot be sandboxed here (%s): this worker takes only the admin's jobs "
+                    "(TORCHJOBS_ALLOW_UNISOLATED=true takes everyone's)", iso.detail)  # fmt: skip
 
 
 class Heartbeat(threading.Thread):
@@ -111,8 +128,14 @@ def run_worker(
         accelerator=kind,
         gpus=gpus if gpus is not None else detected,
     )
-    # a CPU worker's slots are the cores a spare's torch import would take from its jobs
-    ctx.agents = warm_agents(_agent_env(), enabled=settings.warm_agent, spawn_when_idle=kind == "cpu")
+    ctx.isolation = sandbox.detect(settings.sandbox, settings.sandbox_user)
+    announce_isolation(ctx.isolation, settings)
+    if kind == "cuda" and ctx.isolation.sandboxed:
+        ctx.gpu_minors = sandbox.nvidia_minors()
+    # a CPU worker's slots are the cores a spare's torch import would take from its jobs; a
+    # sandboxed launch starts its agent inside its own sandbox, cold
+    warm = settings.warm_agent and not ctx.isolation.sandboxed
+    ctx.agents = warm_agents(_agent_env(), enabled=warm, spawn_when_idle=kind == "cpu")
     context.set_current(ctx)
     remove_stale_runs(ctx.run_root)
     register(ctx)

@@ -9,6 +9,7 @@ from pathlib import Path
 from service.config import Settings
 from service.db import Database
 from service.storage import Storage
+from workers.launcher.sandbox import UNISOLATED, Isolation
 from workers.launcher.warm_pool import WarmAgentPool
 
 
@@ -24,6 +25,8 @@ class WorkerContext:
     gpus: int
     shutdown: threading.Event = field(default_factory=threading.Event)
     agents: WarmAgentPool | None = None  # the warm torchrun agent, when the worker keeps one
+    isolation: Isolation = UNISOLATED  # how ranks are walled off (probed at start)
+    gpu_minors: dict[int, int] = field(default_factory=dict)  # CUDA index -> /dev/nvidiaN
 
     @property
     def run_root(self) -> Path:

@@ -17,7 +17,8 @@ from service.jobs.validation import resolve_script
 from service.models import Checkpoint
 from workers import reporter
 from workers.context import WorkerContext
-from workers.launcher.command import NodeLaunch, build_launch
+from workers.launcher.command import NodeLaunch, build_launch, passthrough
+from workers.launcher.sandbox import gpu_devices, python_paths
 from workers.launcher.supervisor import Hooks, NodeSupervisor
 from workers.reporter import NodeKey
 
@@ -128,6 +129,11 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
     master_addr = str(fields.pop("master_addr"))
     if fields["nnodes"] == 1:
         master_addr = "127.0.0.1"
+    gpus = fields["gpus"]
+    assert isinstance(gpus, tuple)
+    passed = passthrough(os.environ, ctx.settings.rank_env_allow)
+    # script roots, and folders on a PYTHONPATH the administrator passes (factory modules)
+    code = (*map(str, ctx.settings.script_root_paths), *filter(None, passed.get("PYTHONPATH", "").split(":")))
     return NodeLaunch(
         **fields,  # type: ignore[arg-type]
         master_addr=master_addr,
@@ -139,7 +145,10 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         preflight_timeout_s=ctx.settings.preflight_timeout_s,
         resume_path=resume_path,
         tmp_root=Path(tempfile.gettempdir()),
-        base_env=dict(os.environ),
+        base_env=passed,
+        isolation=ctx.isolation,
+        read_only=(*python_paths(sys.executable), *code) if ctx.isolation.sandboxed else (),
+        devices=gpu_devices(ctx.accelerator, gpus, ctx.gpu_minors) if ctx.isolation.sandboxed else (),
     )
 
 
@@ -161,6 +170,7 @@ def _fetch_resume(ctx: WorkerContext, resume: tuple[int, str, str]) -> str:
     if got != sha:
         partial.unlink(missing_ok=True)
         raise _ResumeError(f"checkpoint {ckpt_id} failed its SHA-256 check")
+    partial.chmod(0o644)  # readable by a sandbox's user (the cache folder itself is the worker's)
     partial.replace(target)
     prune_cache(cache, ctx.settings.cache_max_bytes, keep=target)
     return str(target)

@@ -11,6 +11,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import AfterValidator
 from starlette.requests import ClientDisconnect
 
 from service.api.deps import (
@@ -26,7 +27,7 @@ from service.api.deps import (
 from service.checkpoints import service
 from service.checkpoints.schemas import CheckpointList
 from service.models import Checkpoint, User
-from service.schemas import MAX_ID, CheckpointOut, checkpoint_out
+from service.schemas import MAX_ID, CheckpointOut, checkpoint_out, require_storable
 
 router = APIRouter(tags=["checkpoints"])
 CkptId = Annotated[int, Path(ge=1, le=MAX_ID)]
@@ -110,7 +111,7 @@ async def upload_checkpoint(
     db: DbDep,
     storage: StorageDep,
     settings: SettingsDep,
-    name: Annotated[str, Query(min_length=1, max_length=255)] = "upload.pt",
+    name: Annotated[str, Query(min_length=1, max_length=255), AfterValidator(require_storable)] = "upload.pt",
 ) -> CheckpointOut | Response:
     """The raw body (`application/octet-stream`) is the file; `?name=` names it."""
     try:

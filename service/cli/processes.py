@@ -24,7 +24,7 @@ def _setup_logging(settings: Settings) -> None:
 
 def run_up(host: str, port: int, gpus: int | None, accelerator: str) -> None:
     settings = Settings()
-    settings.home.mkdir(parents=True, exist_ok=True)
+    settings.home.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database, tokens, checkpoints
     _setup_logging(settings)
     upgrade(settings)
     read_or_create_admin_token(settings)

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from service.schemas import MAX_ID
+from service.schemas import MAX_ID, require_storable
 
 NAME = Annotated[str, Field(min_length=1, max_length=128)]
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -40,9 +40,15 @@ CALLABLE_RE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Z
 
 
 class Input(BaseModel):
-    """Strict: `true` is not a priority and "3" is not a GPU count."""
+    """Strict: `true` is not a priority and "3" is not a GPU count. Every field, nested maps
+    included, refuses what the database cannot store (a NUL, a lone surrogate)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _storable(cls, v: object) -> object:
+        return require_storable(v)
 
 
 class BuiltinEntrypoint(Input):

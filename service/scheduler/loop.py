@@ -26,7 +26,7 @@ from service.config import Settings
 from service.db import Database
 from service.jobs.lifecycle import NODE_ACTIVE, cancel_pending_nodes, end_attempt, open_attempt, runs_of
 from service.jobs.states import ACTIVE, CANCELLING, QUEUED, SCHEDULED, lock_job, transition_job
-from service.models import GpuAllocation, Job, NodeRun, Worker, utcnow
+from service.models import GpuAllocation, Job, NodeRun, User, Worker, utcnow
 from service.scheduler.outages import DatabaseOutages
 from service.scheduler.placement import Host, QueuedJob, plan
 from service.workers import repository as workers_repo
@@ -158,7 +158,16 @@ def _lose_node(session: Session, run: NodeRun, reason: str) -> None:
 def place(session: Session, settings: Settings) -> list[Dispatch]:
     """Plan over the queue's few columns; load and lock whole rows only for the jobs placed."""
     query = (
-        select(Job.id, Job.priority, Job.nodes, Job.gpus_per_node, Job.queued_at, Job.pending_reason)
+        select(
+            Job.id,
+            Job.priority,
+            Job.nodes,
+            Job.gpus_per_node,
+            Job.queued_at,
+            Job.pending_reason,
+            User.is_admin,
+        )
+        .join(User, User.id == Job.owner_id)
         .where(Job.state == QUEUED)
         .order_by(Job.priority.desc(), Job.id)
         .limit(5000)
@@ -171,7 +180,11 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
     workers = {w.name: w for w in session.execute(select(Worker).where(Worker.state == "online")).scalars()}
     used = workers_repo.used_slots(session)
     hosts = [
-        Host(name=n, free=tuple(i for i in range(w.gpus) if i not in used.get(n, set())))
+        Host(
+            name=n,
+            free=tuple(i for i in range(w.gpus) if i not in used.get(n, set())),
+            open_to_all=w.open_to_all,
+        )
         for n, w in workers.items()
     ]
     now = utcnow()
@@ -182,6 +195,7 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
             nodes=r.nodes,
             gpus_per_node=r.gpus_per_node,
             waited_s=(now - r.queued_at).total_seconds(),
+            by_admin=bool(r.is_admin),
         )
         for r in rows
     ]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 class Host:
     name: str
     free: tuple[int, ...]
+    open_to_all: bool = True  # False: an unsandboxed worker, which takes the admin's jobs only
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,7 @@ class QueuedJob:
     nodes: int
     gpus_per_node: int
     waited_s: float = 0.0
+    by_admin: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +49,7 @@ def queue_order(jobs: list[QueuedJob]) -> list[QueuedJob]:
 
 def plan(jobs: list[QueuedJob], hosts: list[Host], starvation_s: float) -> Plan:
     free = {h.name: sorted(h.free) for h in hosts}
+    closed = {h.name for h in hosts if not h.open_to_all}
     result = Plan()
     blocker: QueuedJob | None = None
     for job in queue_order(jobs):
@@ -56,8 +59,12 @@ def plan(jobs: list[QueuedJob], hosts: list[Host], starvation_s: float) -> Plan:
         fitting = sorted(
             (n for n, gpus in free.items() if len(gpus) >= job.gpus_per_node), key=lambda n: (len(free[n]), n)
         )
+        unsandboxed = 0
+        if not job.by_admin:
+            unsandboxed = sum(1 for n in fitting if n in closed)
+            fitting = [n for n in fitting if n not in closed]
         if len(fitting) < job.nodes:
-            result.pending_reasons[job.id] = _reason(job, len(fitting))
+            result.pending_reasons[job.id] = _reason(job, len(fitting), unsandboxed)
             if job.waited_s >= starvation_s:
                 blocker = job
             continue
@@ -69,7 +76,10 @@ def plan(jobs: list[QueuedJob], hosts: list[Host], starvation_s: float) -> Plan:
     return result
 
 
-def _reason(job: QueuedJob, fitting: int) -> str:
+def _reason(job: QueuedJob, fitting: int, unsandboxed: int = 0) -> str:
     hosts = "1 has them" if fitting == 1 else f"{fitting} have them"
     node_word = "node" if job.nodes == 1 else "nodes"
-    return f"needs {job.nodes} {node_word} with {job.gpus_per_node} free GPUs; {hosts}"
+    reason = f"needs {job.nodes} {node_word} with {job.gpus_per_node} free GPUs; {hosts}"
+    if unsandboxed:
+        reason += f" ({unsandboxed} more without a sandbox take only the admin's jobs)"
+    return reason

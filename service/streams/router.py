@@ -20,10 +20,11 @@ from service.api.deps import (
     caller_job,
     current_user,
 )
+from service.auth.tokens import presented_token, user_for_token
 from service.models import Job
 from service.schemas import MAX_ID
 from service.streams import service
-from service.streams.service import LogEnd, Streams
+from service.streams.service import CallerCheck, LogEnd, Streams
 
 
 @asynccontextmanager
@@ -85,15 +86,20 @@ TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "descri
 
 @router.get("/v1/jobs/{job_id}/events/stream", response_class=EventSourceResponse, responses=SSE)
 async def stream_events(
-    request: Request, job: StreamJob, after: Seq = 0, last_event_id: LastEventId = None
+    request: Request,
+    job: StreamJob,
+    creds: PresentedCreds,
+    after: Seq = 0,
+    last_event_id: LastEventId = None,
 ) -> EventSourceResponse:
     """`id: SEQ`, `event: TYPE`, `data: EVENT_JSON`; resumes after the larger of `?after=` and
     `Last-Event-ID`; ends after the terminal state event."""
     start = service.start_position(after, last_event_id, cap=MAX_ID)
     streams: Streams = request.app.state.streams
+    allowed = CallerCheck(streams, presented_token(creds), user_for_token)
 
     async def messages() -> AsyncIterator[ServerSentEvent]:
-        async for item in service.event_stream(streams, job.id, start):
+        async for item in service.event_stream(streams, job.id, start, allowed):
             yield ServerSentEvent(data=item.json, event=item.type, id=str(item.seq))
 
     return _sse(request, messages())
@@ -122,6 +128,7 @@ def get_logs(
 async def stream_logs(
     request: Request,
     job: StreamJob,
+    creds: PresentedCreds,
     node: Node = 0,
     rank: Rank = 0,
     offset: Position = 0,
@@ -133,10 +140,11 @@ async def stream_logs(
     attempt_no = service.check_log_position(job, node, attempt)
     start = service.start_position(offset, last_event_id)
     streams: Streams = request.app.state.streams
+    allowed = CallerCheck(streams, presented_token(creds), user_for_token)
 
     async def messages() -> AsyncIterator[ServerSentEvent]:
         async for piece in service.log_stream(
-            streams, job.id, attempt=attempt_no, node=node, rank=rank, offset=start
+            streams, job.id, attempt=attempt_no, node=node, rank=rank, offset=start, allowed=allowed
         ):
             if isinstance(piece, LogEnd):
                 end = {"offset": piece.offset, "attempt": piece.attempt, "state": piece.state}

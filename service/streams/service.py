@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -171,6 +172,48 @@ def compact_json(obj: object) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=True)
 
 
+class CallerCheck:
+    """Whether the token a stream was opened with still opens it, asked again at most once per
+    `stream_recheck_s`: a revoked token ends the streams it opened within that time, however
+    busy they are (each stream waits at most that long between looks)."""
+
+    def __init__(self, streams: Streams, token: str, user_for_token: Callable[[Session, str], Any]) -> None:
+        self.streams, self.token, self.lookup = streams, token, user_for_token
+        self.checked = time.monotonic()
+
+    async def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self.checked < self.streams.settings.stream_recheck_s:
+            return True
+        self.checked = now
+        return await self.streams.reader.run(self._still_valid)
+
+    def wait_s(self) -> float:
+        """How long a stream may wait before it must ask again."""
+        left = self.streams.settings.stream_recheck_s - (time.monotonic() - self.checked)
+        return max(0.05, left)
+
+    def _still_valid(self) -> bool:
+        with self.streams.db.read() as session:
+            return self.lookup(session, self.token) is not None
+
+
+class Anyone:
+    """No re-check: for streams whose caller is checked elsewhere (tests, internal readers)."""
+
+    def __init__(self, streams: Streams) -> None:
+        self.streams = streams
+
+    async def __call__(self) -> bool:
+        return True
+
+    def wait_s(self) -> float:
+        return self.streams.settings.stream_recheck_s
+
+
+Allowed = CallerCheck | Anyone
+
+
 # --- positions ------------------------------------------------------------------------------
 
 
@@ -198,12 +241,15 @@ def check_log_position(job: Job, node: int, attempt: int | None) -> int:
 # --- events ---------------------------------------------------------------------------------
 
 
-async def event_stream(streams: Streams, job_id: int, after: int) -> AsyncIterator[EventItem]:
+async def event_stream(
+    streams: Streams, job_id: int, after: int, allowed: Allowed | None = None
+) -> AsyncIterator[EventItem]:
     """Every event with `seq > after`, once each, in order; ends after the terminal state event,
-    or at once (after what is left) when the job had already ended."""
+    or at once (after what is left) when the job had already ended, or when `allowed` says no."""
+    allowed = allowed or Anyone(streams)
     with streams.hub.watch(job_id) as watch:
         last = after
-        while True:
+        while await allowed():
             armed = watch.arm()
             page = await streams.reader.events(job_id, last, armed)
             for item in page.events:
@@ -215,7 +261,7 @@ async def event_stream(streams: Streams, job_id: int, after: int) -> AsyncIterat
                 continue
             if page.ended:
                 return
-            await watch.wait(streams.settings.stream_recheck_s)
+            await watch.wait(allowed.wait_s())
 
 
 # --- logs -----------------------------------------------------------------------------------
@@ -238,14 +284,23 @@ def read_logs(
 
 
 async def log_stream(
-    streams: Streams, job_id: int, *, attempt: int, node: int, rank: int, offset: int
+    streams: Streams,
+    job_id: int,
+    *,
+    attempt: int,
+    node: int,
+    rank: int,
+    offset: int,
+    allowed: Allowed | None = None,
 ) -> AsyncIterator[LogPiece | LogEnd]:
     """One rank's output from byte `offset`, as it is stored; ends with a `LogEnd` once the
-    attempt is over on that node and everything it stored was sent."""
+    attempt is over on that node and everything it stored was sent (or, without one, when
+    `allowed` says no)."""
     settle = timedelta(seconds=streams.settings.cancel_grace_s + LOST_NODE_SETTLE_EXTRA_S)
+    allowed = allowed or Anyone(streams)
     with streams.hub.watch(job_id, logs=True) as watch:
         pos = offset
-        while True:
+        while await allowed():
             watch.arm()
             snap = await streams.reader.run(
                 _log_snapshot, streams.db, settle, job_id, attempt, node, rank, pos
@@ -262,7 +317,7 @@ async def log_stream(
             if snap.complete:
                 yield LogEnd(pos, attempt, snap.state)
                 return
-            await watch.wait(streams.settings.stream_recheck_s)
+            await watch.wait(allowed.wait_s())
 
 
 def _log_snapshot(

@@ -8,7 +8,7 @@ from datetime import datetime
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.models import GpuAllocation, Worker
+from service.models import GpuAllocation, Job, Worker
 
 
 def all_workers(session: Session) -> Sequence[Worker]:
@@ -17,6 +17,13 @@ def all_workers(session: Session) -> Sequence[Worker]:
 
 def allocations(session: Session) -> Sequence[GpuAllocation]:
     return session.execute(select(GpuAllocation)).scalars().all()
+
+
+def jobs_owned_by(session: Session, owner_id: int, job_ids: set[int]) -> set[int]:
+    if not job_ids:
+        return set()
+    query = select(Job.id).where(Job.owner_id == owner_id, Job.id.in_(job_ids))
+    return set(session.execute(query).scalars())
 
 
 def used_slots(session: Session, allocs: Sequence[GpuAllocation] | None = None) -> dict[str, set[int]]:
@@ -28,25 +35,26 @@ def used_slots(session: Session, allocs: Sequence[GpuAllocation] | None = None) 
 
 
 def upsert_worker(
-    session: Session, *, name: str, address: str, accelerator: str, gpus: int, session_id: str, now: datetime
+    session: Session,
+    *,
+    name: str,
+    address: str,
+    accelerator: str,
+    gpus: int,
+    session_id: str,
+    now: datetime,
+    isolation: str = "none",
+    isolation_detail: str = "",
+    open_to_all: bool = True,
 ) -> None:
     worker = session.get(Worker, name, with_for_update=True)
     if worker is None:
-        session.add(
-            Worker(
-                name=name,
-                address=address,
-                accelerator=accelerator,
-                gpus=gpus,
-                state="online",
-                session=session_id,
-                last_heartbeat=now,
-                started_at=now,
-            )
-        )
-        return
+        worker = Worker(name=name, started_at=now)
+        session.add(worker)
     worker.address, worker.accelerator, worker.gpus = address, accelerator, gpus
     worker.state, worker.session, worker.last_heartbeat, worker.started_at = "online", session_id, now, now
+    worker.isolation, worker.isolation_detail = isolation, isolation_detail[:512]
+    worker.open_to_all = open_to_all
 
 
 def heartbeat(session: Session, name: str, session_id: str, now: datetime) -> bool:

@@ -10,5 +10,5 @@ router = APIRouter(prefix="/v1/workers", tags=["workers"])
 
 
 @router.get("", response_model=WorkerList)
-def list_workers(session: SessionDep, _user: UserDep) -> WorkerList:
-    return service.list_workers(session)
+def list_workers(session: SessionDep, user: UserDep) -> WorkerList:
+    return service.list_workers(session, user)

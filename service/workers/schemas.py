@@ -13,7 +13,10 @@ class WorkerOut(BaseModel):
     gpus_free: int
     state: str
     last_heartbeat: datetime
-    jobs: list[int]
+    jobs: list[int]  # the caller's own jobs there (the admin: every job)
+    isolation: str  # "sandbox" | "none" (contract §7)
+    isolation_detail: str  # how ranks are walled off, or why they are not
+    open_to_all: bool  # False: unsandboxed, it takes the admin's jobs only
 
 
 class WorkerList(BaseModel):

@@ -2,16 +2,21 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
+from service.models import User
 from service.workers import repository as repo
 from service.workers.schemas import WorkerList, WorkerOut
 
 
-def list_workers(session: Session) -> WorkerList:
+def list_workers(session: Session, caller: User) -> WorkerList:
+    """Every worker; the job ids on them only the caller's own (all of them for the admin):
+    another user's GPUs count as busy, nothing more (contract §7)."""
     allocs = repo.allocations(session)
     used = repo.used_slots(session, allocs)
+    visible = None if caller.is_admin else repo.jobs_owned_by(session, caller.id, {a.job_id for a in allocs})
     jobs: dict[str, set[int]] = {}
     for alloc in allocs:
-        jobs.setdefault(alloc.worker_name, set()).add(alloc.job_id)
+        if visible is None or alloc.job_id in visible:
+            jobs.setdefault(alloc.worker_name, set()).add(alloc.job_id)
     return WorkerList(
         items=[
             WorkerOut(
@@ -23,6 +28,9 @@ def list_workers(session: Session) -> WorkerList:
                 state=w.state,
                 last_heartbeat=w.last_heartbeat,
                 jobs=sorted(jobs.get(w.name, ())),
+                isolation=w.isolation,
+                isolation_detail=w.isolation_detail,
+                open_to_all=w.open_to_all,
             )
             for w in repo.all_workers(session)
         ]

@@ -111,19 +111,35 @@ def final_weights(stack: Stack, job: dict) -> dict[str, torch.Tensor]:
     return torch.load(io.BytesIO(blob), weights_only=True)["state_dict"]["net"]
 
 
-def test_killed_worker_job_retries_from_checkpoint_to_identical_weights(stack: Stack) -> None:
+@pytest.mark.parametrize("sandbox", ["auto", "off"])
+def test_killed_worker_job_retries_from_checkpoint_to_identical_weights(
+    tmp_path: Path, pg_url: str, redis_url: str, sandbox: str
+) -> None:
+    workers = {"w1": 2}
+    stack = harness.production_stack(tmp_path, pg_url, redis_url, workers, TORCHJOBS_SANDBOX=sandbox)
+    try:
+        _killed_worker_retries(stack, sandboxed=sandbox == "auto")
+    finally:
+        stack.stop()
+
+
+def _killed_worker_retries(stack: Stack, sandboxed: bool) -> None:
     hyper = {"epochs": 3, "synthetic_size": 12000, "num_workers": 0, "report_every": 20, "seed": 3}
     spec = {"mode": "single", "entrypoint": LONG, "hyperparameters": hyper, "max_retries": 1}
     job = stack.submit(spec)
     wait_event(stack, job["id"], lambda e: e["type"] == "checkpoint")
     # The worst case: the worker and its torchrun agent die at once (SIGKILL), so nobody
-    # tells the ranks, which torchrun runs in sessions of their own: they are orphans now.
+    # tells the ranks, which torchrun runs in sessions of their own.
     agents = [p for p in pids_of_job(job["id"], stack.home) if is_agent(p)]
+    assert agents
     stack.kill("worker-w1")
     for pid in agents:
         os.kill(pid, signal.SIGKILL)
-    assert pids_of_job(job["id"], stack.home)  # the orphaned ranks are still running
-    stack.start_worker("w1", 2)  # the new worker process stops them first
+    if sandboxed:  # the agent is its sandbox's PID 1: the kernel ends every rank with it
+        wait_for(lambda: pids_of_job(job["id"], stack.home) == [] or None, 20, "the sandbox to be gone")
+    else:
+        assert pids_of_job(job["id"], stack.home)  # orphans: the ranks are still running
+    stack.start_worker("w1", 2)  # the new worker process stops what is left first
     wait_for(
         lambda: all(b"attempt-1" not in environ(p) for p in pids_of_job(job["id"], stack.home)) or None,
         20,

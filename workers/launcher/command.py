@@ -13,10 +13,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Variables of the worker's own environment that never reach a rank: our configuration
-# (database URL, tokens) and anything torchrun or the loader must set by itself.
-_STRIP_PREFIXES = ("TORCHJOBS_", "TORCHELASTIC_", "MASTER_", "LOCAL_", "CELERY_")
-_STRIP_NAMES = {"RANK", "WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD"}
+from workers.launcher.sandbox import (
+    ENV_FILE,
+    RUN_DIR,
+    UNISOLATED,
+    Isolation,
+    Mounts,
+    inside_resume_path,
+    wrap,
+)
+
+# Never passed from the worker's environment, whatever the administrator's allow-list says:
+# our configuration (database URL, tokens), cloud credentials, and what torchrun sets itself.
+_NEVER_PREFIXES = ("TORCHJOBS_", "TORCHELASTIC_", "MASTER_", "LOCAL_", "CELERY_", "AWS_", "GOOGLE_", "AZURE_")
+_NEVER_NAMES = {"RANK", "WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "HOME", "TMPDIR"}
+SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +51,11 @@ class NodeLaunch:
     tmp_root: Path = Path("/tmp")
     resume_path: str | None = None
     user_env: Mapping[str, str] = field(default_factory=dict)
+    # the worker's variables that the administrator lets through (passthrough()), and LANG
     base_env: Mapping[str, str] = field(default_factory=dict)
+    isolation: Isolation = UNISOLATED
+    read_only: tuple[str, ...] = ()  # inside a sandbox: the Python environment, script roots
+    devices: tuple[str, ...] = ()  # inside a sandbox: the node's GPU device files
 
     def __post_init__(self) -> None:
         if self.mode not in ("single", "dp", "ddp"):
@@ -57,6 +72,7 @@ class NodeLaunch:
 class NodePaths:
     run_dir: Path
     tmp_root: Path = Path("/tmp")
+    tmp_dir: Path | None = None  # TMPDIR as given (a sandbox's /tmp), else derived below
 
     @property
     def checkpoints(self) -> Path:
@@ -75,6 +91,8 @@ class NodePaths:
         """TMPDIR of the ranks: short on purpose. Unix sockets (DataLoader workers, torch's
         multiprocessing) live there and their paths may not pass 107 bytes, which a deep
         TORCHJOBS_HOME easily would. `run_dir/tmp` links to it, so cleanup can find it."""
+        if self.tmp_dir is not None:
+            return self.tmp_dir
         digest = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
         return self.tmp_root / f"torchjobs-{digest}"
 
@@ -90,14 +108,35 @@ class NodePaths:
     def agent_log(self) -> Path:
         return self.run_dir / "agent.log"
 
+    @property
+    def home(self) -> Path:
+        """The ranks' private HOME: caches and dotfiles a library writes stay in the node."""
+        return self.run_dir / "home"
+
+    @property
+    def env_file(self) -> Path:
+        return self.run_dir / ENV_FILE
+
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchPlan:
     argv: list[str]
-    env: dict[str, str]
+    env: dict[str, str]  # the ranks' environment
     cwd: Path
-    paths: NodePaths
+    paths: NodePaths  # on the worker's side
     config: dict[str, Any] | None
+    isolation: Isolation = UNISOLATED
+    owner: tuple[int, int] | None = None  # uid, gid the run folder is handed to (a root sandbox)
+
+    @property
+    def sandboxed(self) -> bool:
+        return self.isolation.sandboxed
+
+    @property
+    def process_env(self) -> dict[str, str]:
+        """What the started process itself gets: in a sandbox, bwrap gets nothing of the job's
+        (the ranks' environment travels in `paths.env_file`)."""
+        return {"PATH": SYSTEM_PATH} if self.sandboxed else self.env
 
 
 def processes_per_node(mode: str, gpus: int) -> int:
@@ -121,6 +160,7 @@ def trainer_config(launch: NodeLaunch) -> dict[str, Any]:
 
 def build_launch(launch: NodeLaunch) -> LaunchPlan:
     paths = NodePaths(run_dir=launch.run_dir, tmp_root=launch.tmp_root)
+    seen = NodePaths(run_dir=RUN_DIR, tmp_dir=Path("/tmp")) if launch.isolation.sandboxed else paths
     nproc = processes_per_node(launch.mode, len(launch.gpus))
     argv = [
         launch.python,
@@ -133,7 +173,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         f"--master-port={launch.master_port}",
         f"--rdzv-conf=timeout={launch.rendezvous_timeout_s}",
         f"--rdzv-id={run_id(launch.job_id, launch.attempt)}",
-        f"--log-dir={paths.logs}",
+        f"--log-dir={seen.logs}",
         "--redirects=3",
         "--max-restarts=0",
         "--monitor-interval=0.1",  # torchrun's default: a rank's exit is seen within 0.1 s
@@ -144,18 +184,53 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         argv += ["-m", "workers.runtime.script", launch.script_path, *launch.entrypoint.get("args", [])]
     else:
         config = trainer_config(launch)
-        argv += ["-m", "workers.runtime.train", "--config", str(paths.config)]
-    return LaunchPlan(argv=argv, env=rank_env(launch, paths), cwd=launch.run_dir, paths=paths, config=config)
+        argv += ["-m", "workers.runtime.train", "--config", str(seen.config)]
+    env = rank_env(launch, seen)
+    if not launch.isolation.sandboxed:
+        return LaunchPlan(argv=argv, env=env, cwd=launch.run_dir, paths=paths, config=config)
+    mounts = Mounts(
+        run_dir=paths.run_dir,
+        tmp_dir=paths.tmp,
+        resume=launch.resume_path,
+        read_only=launch.read_only,
+        devices=launch.devices,
+    )
+    iso = launch.isolation
+    return LaunchPlan(
+        argv=wrap(argv, iso, mounts, launch.python),
+        env=env,
+        cwd=launch.run_dir,
+        paths=paths,
+        config=config,
+        isolation=iso,
+        owner=(iso.uid, iso.gid if iso.gid is not None else iso.uid) if iso.uid is not None else None,
+    )
+
+
+def passthrough(environ: Mapping[str, str], allowed: str) -> dict[str, str]:
+    """The worker's variables an administrator lets reach ranks (`TORCHJOBS_RANK_ENV_ALLOW`:
+    names, or prefixes ending in `*`), minus what never may. An allow-list, never the worker's
+    environment with names taken out: a variable nobody thought of stays behind."""
+    patterns = [p.strip() for p in allowed.split(",") if p.strip()]
+
+    def allowed_name(name: str) -> bool:
+        if name.startswith(_NEVER_PREFIXES) or name in _NEVER_NAMES:
+            return False
+        return any(name.startswith(p[:-1]) if p.endswith("*") else name == p for p in patterns)
+
+    env = {k: v for k, v in environ.items() if allowed_name(k)}
+    env["LANG"] = environ.get("LANG", "C.UTF-8")
+    return env
 
 
 def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in launch.base_env.items()
-        if not k.startswith(_STRIP_PREFIXES) and k not in _STRIP_NAMES
-    }
+    """Contract §7: PATH, a private HOME and TMPDIR, LANG, the administrator's pass-through,
+    the job's own `env`, then ours (the job cannot override those)."""
+    env = {"PATH": f"{Path(launch.python).parent}:{SYSTEM_PATH}"}
+    env.update(launch.base_env)
     env.update(launch.user_env)
     env.update(
+        HOME=str(paths.home),
         TORCHJOBS_JOB_ID=str(launch.job_id),
         TORCHJOBS_ATTEMPT=str(launch.attempt),
         TORCHJOBS_CHECKPOINT_DIR=str(paths.checkpoints),
@@ -166,7 +241,10 @@ def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
     )
     if launch.resume_path:
-        env["TORCHJOBS_RESUME_FROM"] = launch.resume_path
+        sandboxed = launch.isolation.sandboxed
+        env["TORCHJOBS_RESUME_FROM"] = (
+            inside_resume_path(launch.resume_path) if sandboxed else launch.resume_path
+        )
     if launch.accelerator == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in launch.gpus)
     else:

@@ -52,6 +52,54 @@ def _is_warm_agent_under(pid: str, run_prefix: str) -> bool:
     return (cwd + "/").startswith(run_prefix)
 
 
+def sandbox_namespace(outer_pid: int) -> str | None:
+    """The PID namespace of a sandbox, found from bwrap's outer process (our child): its child
+    there lives in a namespace that is not ours. None until that child exists (or once all of
+    it ended). Inside, every rank has the same TORCHJOBS_CHECKPOINT_DIR (/job/...), so the
+    namespace, not the environment, tells one node's processes from another's."""
+    mine = _namespace("self")
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _parent(entry) == outer_pid:
+            ns = _namespace(entry)
+            if ns is not None and ns != mine:
+                return ns
+    return None
+
+
+def pids_in_namespace(ns: str) -> list[int]:
+    """Every process of one sandbox, its PID 1 (torchrun's agent) first: killing that one with
+    SIGKILL makes the kernel kill all the others."""
+    found = [int(e) for e in os.listdir("/proc") if e.isdigit() and _namespace(e) == ns]
+    return sorted(found, key=lambda pid: (_namespace_pid(pid) != 1, pid))
+
+
+def _namespace(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _namespace_pid(pid: int) -> int | None:
+    """The process's PID inside its own namespace (the last NSpid of its status)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def kill_group(pgid: int, sig: signal.Signals) -> None:
     """A signal to a whole process group (an agent and what it started), if it is still there."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -64,8 +112,33 @@ def signal_all(pids: list[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
+def sandbox_run_dirs() -> dict[str, tuple[int, str]]:
+    """PID namespace -> (bwrap's outer pid, the host run folder bound at /job), for every node
+    sandbox on this machine: a sandbox's ranks name /job in their environment, so a worker
+    that restarts finds its predecessor's by bwrap's command line."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if not argv[0].endswith(b"bwrap") or b"/job" not in argv:
+            continue
+        ns = sandbox_namespace(int(entry))
+        if ns is not None:
+            found[ns] = (int(entry), argv[argv.index(b"/job") - 1].decode(errors="replace") + "/")
+    return found
+
+
 def kill_under(run_prefix: str) -> int:
-    """SIGKILL everything left of a node (or of every node under a worker's run folder)."""
+    """SIGKILL everything left of a node (or of every node under a worker's run folder),
+    sandboxed or not."""
     pids = pids_under(run_prefix)
+    for ns, (outer, run_dir) in sandbox_run_dirs().items():
+        if run_dir.startswith(run_prefix):
+            pids += [outer, *pids_in_namespace(ns)]
     signal_all(pids, signal.SIGKILL)
     return len(pids)

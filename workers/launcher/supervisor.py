@@ -8,6 +8,7 @@ the grace period. When the agent exits, anything left in its group is killed too
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -26,7 +27,14 @@ from workers.launcher.command import LaunchPlan, config_json, processes_per_node
 from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, FoundCheckpoint, RankLogs, epoch_from_name
-from workers.launcher.procs import kill_group, kill_under, pids_under, signal_all
+from workers.launcher.procs import (
+    kill_group,
+    kill_under,
+    pids_in_namespace,
+    pids_under,
+    sandbox_namespace,
+    signal_all,
+)
 from workers.launcher.warm_pool import WarmAgentPool
 from workers.reporter import END_WRITE_PATIENCE_S, Batch, JobControl, NodeKey
 
@@ -78,28 +86,57 @@ class NodeSupervisor:
         self.storing_fails = False  # the last write or look failed: said once, not every look
         self.backlog = False  # a file had more than one read takes: look again without waiting
         self.stop_reason: str | None = None
+        self.namespace: str | None = None  # the sandbox's PID namespace, once seen
 
     def prepare(self) -> None:
-        paths = self.plan.paths
-        for folder in (paths.run_dir, paths.checkpoints, paths.logs, paths.tmp):
+        """The run folder. In a sandbox its writable parts belong to the sandbox user; the
+        ranks' environment waits there in a file only that user (and the worker) can read."""
+        paths, owner = self.plan.paths, self.plan.owner
+        folders = (paths.run_dir, paths.checkpoints, paths.logs, paths.tmp, paths.home)
+        for folder in folders:
             folder.mkdir(parents=True, exist_ok=True)
         if not paths.tmp_link.is_symlink():
             paths.tmp_link.symlink_to(paths.tmp)
         if self.plan.config is not None:
             paths.config.write_text(config_json(self.plan))
+        if self.plan.sandboxed:
+            fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(self.plan.env, fh)
+        if owner is not None:
+            for path in (*folders, paths.env_file):
+                os.chown(path, *owner)
 
     def run(self) -> NodeOutcome:
         self.prepare()
         plan = self.plan
         with self.agents.node_running():
-            proc = self.agents.start(plan.argv, plan.env, plan.cwd, plan.paths.agent_log)
+            proc = self.agents.start(plan.argv, plan.process_env, plan.cwd, plan.paths.agent_log)
             try:
                 rc = self._watch(proc)
             finally:
-                kill_group(proc.pid, signal.SIGKILL)
-                kill_under(str(self.plan.paths.run_dir) + "/")  # ranks live in sessions of their own
+                self._kill_all(proc)
         self._ingest(final=True)
         return self._outcome(rc)
+
+    def _pids(self) -> list[int]:
+        """The node's processes: its sandbox's, or (unsandboxed) those whose environment names
+        its run folder, since ranks live in sessions of their own."""
+        if not self.plan.sandboxed:
+            return pids_under(str(self.plan.paths.run_dir) + "/")
+        return pids_in_namespace(self.namespace) if self.namespace else []
+
+    def _kill_all(self, proc: subprocess.Popen[bytes]) -> None:
+        """Nothing of the node outlives it: SIGKILL to the sandbox's PID 1 takes the whole
+        namespace with it; unsandboxed, every process found by its run folder."""
+        signal_all(self._pids(), signal.SIGKILL)
+        kill_group(proc.pid, signal.SIGKILL)
+        if not self.plan.sandboxed:
+            kill_under(str(self.plan.paths.run_dir) + "/")
+
+    def _find_namespace(self, proc: subprocess.Popen[bytes]) -> None:
+        if self.plan.sandboxed and self.namespace is None:
+            self.namespace = sandbox_namespace(proc.pid)
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> int:
         """Ingest every BATCH_EVERY_S, look at the job every CONTROL_EVERY_S, and in between
@@ -110,6 +147,7 @@ class NodeSupervisor:
                 rc = proc.poll()
                 if rc is not None:
                     return rc  # run() reads what is left, all of it, once
+                self._find_namespace(proc)
                 now = time.monotonic()
                 if now >= next_batch or self._behind():
                     self._ingest(final=False)
@@ -163,17 +201,17 @@ class NodeSupervisor:
     def _stop(self, proc: subprocess.Popen[bytes]) -> int:
         """SIGTERM to the agent and to every rank (each in its own session), SIGKILL after the grace."""
         log.info("job %s node %s: stopping (%s)", self.key.job_id, self.key.node_rank, self.stop_reason)
-        run_dir = str(self.plan.paths.run_dir) + "/"
-        kill_group(proc.pid, signal.SIGTERM)
-        signal_all(pids_under(run_dir), signal.SIGTERM)
+        self._find_namespace(proc)
+        if not self.plan.sandboxed:  # in a sandbox, bwrap's outer process is left to end with it
+            kill_group(proc.pid, signal.SIGTERM)
+        signal_all(self._pids(), signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline:
-            if proc.poll() is not None and not pids_under(run_dir):
+            if proc.poll() is not None and not self._pids():
                 break
             self._ingest(final=False)
             time.sleep(POLL_S)
-        kill_group(proc.pid, signal.SIGKILL)
-        kill_under(run_dir)
+        self._kill_all(proc)
         return proc.wait()
 
     def _ingest(self, final: bool) -> None:

@@ -94,3 +94,16 @@ def test_placement_properties(
         for later in order[i + 1 :]:
             if later.id in result.placements and later.priority < job.priority:
                 assert later.gpus_per_node < job.gpus_per_node or later.nodes < job.nodes
+
+
+def test_an_unsandboxed_host_takes_only_the_admins_jobs() -> None:
+    hosts = [Host(name="bare", free=(0, 1), open_to_all=False), Host(name="walled", free=(0,))]
+    users = QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=2, by_admin=False)
+    admins = QueuedJob(id=2, priority=0, nodes=1, gpus_per_node=2)
+    result = plan([users, admins], hosts, starvation_s=300)
+    assert 1 not in result.placements and result.placements[2][0].host == "bare"
+    assert result.pending_reasons[1] == (
+        "needs 1 node with 2 free GPUs; 0 have them (1 more without a sandbox take only the admin's jobs)"
+    )
+    small = QueuedJob(id=3, priority=0, nodes=1, gpus_per_node=1, by_admin=False)
+    assert plan([small], hosts, starvation_s=300).placements[3][0].host == "walled"

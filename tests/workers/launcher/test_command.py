@@ -6,9 +6,23 @@ from pathlib import Path
 
 import pytest
 
-from workers.launcher.command import NodeLaunch, build_launch, processes_per_node
+from workers.launcher.command import NodeLaunch, build_launch, passthrough, processes_per_node
+from workers.launcher.sandbox import ENTRY, Isolation
 
 BUILTIN = {"kind": "builtin", "model": "cnn", "dataset": "digits"}
+WORKER_ENV = {
+    "PATH": "/root/bin:/bin",
+    "HOME": "/root",
+    "TORCHJOBS_DATABASE_URL": "postgresql://secret",
+    "TORCHJOBS_ADMIN_TOKEN": "tj_admin",
+    "AWS_SECRET_ACCESS_KEY": "s3cret",
+    "DATABASE_URL": "postgresql://secret",
+    "MASTER_PORT": "1",
+    "RANK": "9",
+    "OMP_NUM_THREADS": "1",
+    "NCCL_SOCKET_IFNAME": "eth0",
+    "BROWSER": "sh -c id",
+}
 
 
 def launch(**overrides: object) -> NodeLaunch:
@@ -27,12 +41,7 @@ def launch(**overrides: object) -> NodeLaunch:
         script_path=None,
         run_dir=Path("/runs/j7"),
         python="/py",
-        base_env={
-            "PATH": "/bin",
-            "TORCHJOBS_DATABASE_URL": "postgresql://secret",
-            "MASTER_PORT": "1",
-            "RANK": "9",
-        },
+        base_env=passthrough(WORKER_ENV, "OMP_NUM_THREADS,NCCL_*,AWS_*,TORCHJOBS_*,RANK"),
         user_env={"MY_FLAG": "1"},
     )
     fields.update(overrides)
@@ -83,11 +92,59 @@ def test_rank_environment_is_the_contract_and_nothing_of_ours() -> None:
     assert env["TORCHJOBS_CHECKPOINT_DIR"] == "/runs/j7/checkpoints"
     assert env["TORCHJOBS_EVENTS"] == "/runs/j7/events.jsonl"
     assert env["TORCHJOBS_RESUME_FROM"] == "/cache/abc.pt"
-    assert env["MY_FLAG"] == "1" and env["PATH"] == "/bin"
+    assert env["MY_FLAG"] == "1" and env["PATH"] == "/:/usr/local/bin:/usr/bin:/bin"
     assert "TORCHJOBS_DATABASE_URL" not in env  # the worker's secrets never reach a rank
     assert "MASTER_PORT" not in env and "RANK" not in env  # torchrun sets these itself
+    assert env["HOME"] == "/runs/j7/home" and env["LANG"] == "C.UTF-8"
     assert env["TMPDIR"].startswith("/tmp/torchjobs-")
     assert env["TORCHJOBS_PREFLIGHT_TIMEOUT_S"] == "60"
+
+
+def test_the_rank_environment_is_an_allow_list_never_the_workers_minus_names() -> None:
+    """Even an administrator who lets AWS_*, TORCHJOBS_* or RANK through passes none of them;
+    a variable nobody named (DATABASE_URL, BROWSER) stays behind."""
+    env = build_launch(launch(user_env={})).env
+    ours = {k for k in env if k.startswith("TORCHJOBS_")}
+    assert ours == {
+        "TORCHJOBS_JOB_ID", "TORCHJOBS_ATTEMPT", "TORCHJOBS_CHECKPOINT_DIR", "TORCHJOBS_EVENTS",
+        "TORCHJOBS_ACCELERATOR", "TORCHJOBS_PREFLIGHT_TIMEOUT_S", "TORCHJOBS_SLOTS",
+    }  # fmt: skip
+    rest = set(env) - ours
+    assert rest == {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES",
+                    "OMP_NUM_THREADS", "NCCL_SOCKET_IFNAME"}  # fmt: skip
+    for secret in ("postgresql://secret", "tj_admin", "s3cret", "sh -c id"):
+        assert secret not in env.values()
+
+
+def test_a_sandboxed_launch_runs_torchrun_inside_bubblewrap_with_its_own_view() -> None:
+    iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap="/bw", uid=4242, gid=4243)
+    plan = build_launch(launch(isolation=iso, resume_path="/home/tj/cache/abc.pt", read_only=("/venv",)))
+    argv = plan.argv
+    assert argv[0] == "/bw" and "--unshare-pid" in argv and "--clearenv" in argv
+    assert "--reuid=4242" in argv and "--no-new-privs" in argv and plan.owner == (4242, 4243)
+    assert argv[argv.index("--bind") + 1 : argv.index("--bind") + 3] == ["/runs/j7", "/job"]
+    assert argv[argv.index("/home/tj/cache/abc.pt") - 1 :][:3] == [
+        "--ro-bind",
+        "/home/tj/cache/abc.pt",
+        "/resume/abc.pt",
+    ]
+    assert argv[argv.index("/venv") - 1 :][:3] == ["--ro-bind-try", "/venv", "/venv"]
+    # the entry program, then torchrun itself, unchanged, with paths as the ranks see them
+    tail = argv[argv.index(ENTRY) + 1 :]
+    assert tail[0] == "/job/.rank-env.json" and tail[1:4] == ["/py", "-m", "torch.distributed.run"]
+    assert tail[-2:] == ["--config", "/job/config.json"] and "--log-dir=/job/logs" in tail
+    env = plan.env
+    assert env["TORCHJOBS_CHECKPOINT_DIR"] == "/job/checkpoints" and env["TMPDIR"] == "/tmp"
+    assert env["TORCHJOBS_RESUME_FROM"] == "/resume/abc.pt" and env["HOME"] == "/job/home"
+    assert plan.process_env == {"PATH": "/usr/local/bin:/usr/bin:/bin"}  # bwrap gets nothing of the job
+    assert plan.paths.run_dir == Path("/runs/j7")  # the supervisor's side stays the host's
+
+
+def test_a_user_namespace_sandbox_maps_another_uid_and_forbids_nested_namespaces() -> None:
+    iso = Isolation(kind="sandbox", method="bwrap-userns", bwrap="/bw")
+    plan = build_launch(launch(isolation=iso))
+    assert "--unshare-user" in plan.argv and "--disable-userns" in plan.argv and plan.owner is None
+    assert not any(a.startswith("--reuid") for a in plan.argv)
 
 
 def test_tmpdir_stays_short_for_unix_sockets_however_deep_the_home() -> None:

