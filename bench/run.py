@@ -13,6 +13,7 @@ in this order:
 | --- | --- | --- |
 | trainer | bench/trainer_vs_seed.py: builtin trainer samples/s | a seed-style hand loop |
 | launch | bench/launch.py: POST -> first step, whole job, throughput | torchrun by hand |
+| sandbox | bench/sandbox.py: first step and throughput in the ranks' sandbox | the product unsandboxed |
 | api | bench/api.py: GET/POST req/s and latency with wrk; list on 100k jobs | bare FastAPI; first page |
 | scheduler | bench/scheduler.py: placement rate; freed GPU -> scheduled | plan() in memory |
 | events | bench/event_stream.py: SSE lag at 1/50/200 streams; ingestion writes | 1 stream; reports/s |
@@ -233,6 +234,7 @@ BENCHMARKS = [
         parse_trainer,
     ),
     Bench("launch", [PY, "-m", "bench.launch"], [PY, "-m", "bench.launch", "--smoke"]),
+    Bench("sandbox", [PY, "-m", "bench.sandbox"], [PY, "-m", "bench.sandbox", "--smoke"]),
     Bench("api", [PY, "-m", "bench.api"], [PY, "-m", "bench.api", "--smoke"]),
     Bench("scheduler", [PY, "-m", "bench.scheduler"], [PY, "-m", "bench.scheduler", "--smoke"]),
     Bench("events", [PY, "bench/event_stream.py"], [PY, "bench/event_stream.py", "--smoke"], parse_events),

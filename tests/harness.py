@@ -255,16 +255,18 @@ def production_stack(
 def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
     """Every process on this machine whose environment names the job (ranks, agents, loaders),
     and warm torchrun agents working in one of the job's run folders (a warm agent took its
-    launch's environment after it started, so /proc shows it the one it started with).
+    launch's environment after it started, so /proc shows it the one it started with); and
+    every process of a sandbox that holds one of those (ranks see /job there, and a warm
+    sandbox's bwrap names the spare folder it was made with, since renamed to the node's).
 
     With `home`, only those of the stack living there: job ids repeat across test stacks.
     """
-    needle = f"TORCHJOBS_JOB_ID={job_id}".encode()
-    where = f"TORCHJOBS_CHECKPOINT_DIR={home}".encode() if home else b""
     from workers.launcher.procs import sandbox_run_dirs
 
+    needle = f"TORCHJOBS_JOB_ID={job_id}".encode()
+    where = f"TORCHJOBS_CHECKPOINT_DIR={home}".encode() if home else b""
     sandboxes = {ns: run_dir for ns, (_outer, run_dir) in sandbox_run_dirs().items()}
-    found = []
+    found, members, named = [], {}, set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -273,15 +275,18 @@ def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
                 env = fh.read().split(b"\0")
         except OSError:
             continue
-        run_dir = sandboxes.get(_pid_namespace(entry) or "")
-        if run_dir is not None:  # a sandboxed rank: its view says /job; its sandbox says where
-            mine = f"/job-{job_id}/" in run_dir and (home is None or run_dir.startswith(str(home)))
-            if mine:
-                found.append(int(entry))
+        ns = _pid_namespace(entry) or ""
+        if ns in sandboxes:
+            members.setdefault(ns, []).append(int(entry))
+            if needle in env or f"/job-{job_id}/" in sandboxes[ns]:
+                named.add(ns)
         elif (needle in env and (not where or any(v.startswith(where) for v in env))) or _warm_agent_of(
             entry, job_id, home
         ):
             found.append(int(entry))
+    for ns in named:
+        if home is None or sandboxes[ns].startswith(str(home)):
+            found += members[ns]
     return found
 
 

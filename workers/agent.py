@@ -12,6 +12,8 @@ import logging
 import os
 import shutil
 import socket
+import sys
+import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -27,9 +29,11 @@ from service.workers import repository as workers_repo
 from workers import context
 from workers.celery_app import make_celery, queue_for
 from workers.context import WorkerContext
-from workers.launcher import sandbox
+from workers.launcher import devices, sandbox
+from workers.launcher.command import code_folders, passthrough
 from workers.launcher.procs import kill_under
 from workers.launcher.sandbox import Isolation
+from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.supervisor import remove_run_dir, warm_agents
 from workers.tasks import register_tasks
 
@@ -71,10 +75,25 @@ def register(ctx: WorkerContext) -> None:
             gpus=ctx.gpus,
             session_id=ctx.session_id,
             now=utcnow(),
+            gpu_ids=list(ctx.gpu_ids),
             isolation=ctx.isolation.kind,
             isolation_detail=ctx.isolation.detail,
             open_to_all=ctx.isolation.sandboxed or ctx.settings.allow_unisolated,
         )
+
+
+def spare_sandboxes(ctx: WorkerContext) -> SpareSandboxes:
+    """Warm agents each in a sandbox of their own, moved under a node when it comes (CPU
+    workers: a CUDA spare would have to hold every GPU's device file)."""
+    passed = passthrough(os.environ, ctx.settings.rank_env_allow)
+    code = code_folders(ctx.settings.script_root_paths, passed)
+    return SpareSandboxes(
+        ctx.isolation,
+        read_only=(*sandbox.python_paths(sys.executable), *code),
+        spares_root=ctx.run_root / ".spares",
+        tmp_root=Path(tempfile.gettempdir()),
+        python=sys.executable,
+    )
 
 
 def announce_isolation(iso: Isolation, settings: Settings) -> None:
@@ -128,16 +147,22 @@ def run_worker(
         accelerator=kind,
         gpus=gpus if gpus is not None else detected,
     )
+    remove_stale_runs(ctx.run_root)  # before a spare sandbox is made there
     ctx.isolation = sandbox.detect(settings.sandbox, settings.sandbox_user)
     announce_isolation(ctx.isolation, settings)
-    if kind == "cuda" and ctx.isolation.sandboxed:
-        ctx.gpu_minors = sandbox.nvidia_minors()
-    # a CPU worker's slots are the cores a spare's torch import would take from its jobs; a
-    # sandboxed launch starts its agent inside its own sandbox, cold
-    warm = settings.warm_agent and not ctx.isolation.sandboxed
-    ctx.agents = warm_agents(_agent_env(), enabled=warm, spawn_when_idle=kind == "cpu")
+    if kind == "cuda":
+        ctx.gpu_ids = devices.slot_ids(devices.visible_devices(os.environ), ctx.gpus)
+        ctx.host_gpus = devices.nvidia_gpus()
+    else:
+        ctx.gpu_ids = tuple(str(i) for i in range(ctx.gpus))
+    # a CPU worker's slots are the cores a spare's torch import would take from its jobs
+    ctx.agents = warm_agents(
+        _agent_env(),
+        enabled=settings.warm_agent and (kind == "cpu" or not ctx.isolation.sandboxed),
+        spawn_when_idle=kind == "cpu",
+        sandboxes=spare_sandboxes(ctx) if ctx.isolation.sandboxed else None,
+    )
     context.set_current(ctx)
-    remove_stale_runs(ctx.run_root)
     register(ctx)
     beat = Heartbeat(ctx)
     beat.start()

@@ -9,6 +9,7 @@ from pathlib import Path
 from service.config import Settings
 from service.db import Database
 from service.storage import Storage
+from workers.launcher.devices import Gpu
 from workers.launcher.sandbox import UNISOLATED, Isolation
 from workers.launcher.warm_pool import WarmAgentPool
 
@@ -26,7 +27,8 @@ class WorkerContext:
     shutdown: threading.Event = field(default_factory=threading.Event)
     agents: WarmAgentPool | None = None  # the warm torchrun agent, when the worker keeps one
     isolation: Isolation = UNISOLATED  # how ranks are walled off (probed at start)
-    gpu_minors: dict[int, int] = field(default_factory=dict)  # CUDA index -> /dev/nvidiaN
+    gpu_ids: tuple[str, ...] = ()  # the physical GPU behind each slot (launcher/devices.py)
+    host_gpus: tuple[Gpu, ...] = ()  # what nvidia-smi says of this host's GPUs
 
     @property
     def run_root(self) -> Path:

@@ -17,8 +17,9 @@ from service.jobs.validation import resolve_script
 from service.models import Checkpoint
 from workers import reporter
 from workers.context import WorkerContext
-from workers.launcher.command import NodeLaunch, build_launch, passthrough
-from workers.launcher.sandbox import gpu_devices, python_paths
+from workers.launcher.command import NodeLaunch, build_launch, code_folders, passthrough
+from workers.launcher.devices import device_files
+from workers.launcher.sandbox import python_paths
 from workers.launcher.supervisor import Hooks, NodeSupervisor
 from workers.reporter import NodeKey
 
@@ -131,9 +132,10 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         master_addr = "127.0.0.1"
     gpus = fields["gpus"]
     assert isinstance(gpus, tuple)
+    device_ids = tuple(ctx.gpu_ids[g] for g in gpus) if ctx.gpu_ids else ()
+    cuda_sandbox = ctx.isolation.sandboxed and ctx.accelerator == "cuda"
     passed = passthrough(os.environ, ctx.settings.rank_env_allow)
-    # script roots, and folders on a PYTHONPATH the administrator passes (factory modules)
-    code = (*map(str, ctx.settings.script_root_paths), *filter(None, passed.get("PYTHONPATH", "").split(":")))
+    code = code_folders(ctx.settings.script_root_paths, passed)
     return NodeLaunch(
         **fields,  # type: ignore[arg-type]
         master_addr=master_addr,
@@ -148,7 +150,8 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         base_env=passed,
         isolation=ctx.isolation,
         read_only=(*python_paths(sys.executable), *code) if ctx.isolation.sandboxed else (),
-        devices=gpu_devices(ctx.accelerator, gpus, ctx.gpu_minors) if ctx.isolation.sandboxed else (),
+        device_ids=device_ids,
+        devices=device_files(device_ids, ctx.host_gpus) if cuda_sandbox else (),
     )
 
 

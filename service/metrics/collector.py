@@ -43,7 +43,7 @@ class DatabaseCollector(Collector):
             waits = repo.queue_waits(session)
             oldest = repo.oldest_queued_since(session)
             used = repo.gpus_used_by_worker(session)
-            workers = workers_service.list_workers(session).items
+            workers = workers_service.list_workers(session, None).items
         now = self._clock()
 
         jobs = GaugeMetricFamily("torchjobs_jobs", "Jobs in each state.", labels=["state"])

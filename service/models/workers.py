@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Boolean, Integer, String, true
+from sqlalchemy import JSON, Boolean, Integer, String, true
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.models.base import Base, UTCDateTime, utcnow
@@ -21,6 +21,8 @@ class Worker(Base):
     session: Mapped[str] = mapped_column(String(64))
     last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # the physical GPU behind each slot (its CUDA_VISIBLE_DEVICES entries); null: 0..gpus-1
+    gpu_ids: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     # contract §7: "sandbox" or "none", how (or why not), and whether it takes every user's jobs
     isolation: Mapped[str] = mapped_column(String(16), default="none", server_default="none")
     isolation_detail: Mapped[str] = mapped_column(String(512), default="", server_default="")

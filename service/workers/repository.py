@@ -43,6 +43,7 @@ def upsert_worker(
     gpus: int,
     session_id: str,
     now: datetime,
+    gpu_ids: list[str] | None = None,
     isolation: str = "none",
     isolation_detail: str = "",
     open_to_all: bool = True,
@@ -55,6 +56,7 @@ def upsert_worker(
     worker.state, worker.session, worker.last_heartbeat, worker.started_at = "online", session_id, now, now
     worker.isolation, worker.isolation_detail = isolation, isolation_detail[:512]
     worker.open_to_all = open_to_all
+    worker.gpu_ids = gpu_ids if gpu_ids is not None else [str(i) for i in range(gpus)]
 
 
 def heartbeat(session: Session, name: str, session_id: str, now: datetime) -> bool:

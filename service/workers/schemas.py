@@ -10,6 +10,7 @@ class WorkerOut(BaseModel):
     address: str
     accelerator: str
     gpus: int
+    gpu_ids: list[str]  # the physical GPU behind each slot: the worker's CUDA_VISIBLE_DEVICES entries
     gpus_free: int
     state: str
     last_heartbeat: datetime

@@ -7,12 +7,15 @@ from service.workers import repository as repo
 from service.workers.schemas import WorkerList, WorkerOut
 
 
-def list_workers(session: Session, caller: User) -> WorkerList:
-    """Every worker; the job ids on them only the caller's own (all of them for the admin):
-    another user's GPUs count as busy, nothing more (contract §7)."""
+def list_workers(session: Session, caller: User | None) -> WorkerList:
+    """Every worker; the job ids on them only the caller's own (all of them for the admin, and
+    for the service itself, `None`: the metrics): another user's GPUs count as busy, nothing
+    more (contract §7)."""
     allocs = repo.allocations(session)
     used = repo.used_slots(session, allocs)
-    visible = None if caller.is_admin else repo.jobs_owned_by(session, caller.id, {a.job_id for a in allocs})
+    visible = None
+    if caller is not None and not caller.is_admin:
+        visible = repo.jobs_owned_by(session, caller.id, {a.job_id for a in allocs})
     jobs: dict[str, set[int]] = {}
     for alloc in allocs:
         if visible is None or alloc.job_id in visible:
@@ -24,6 +27,7 @@ def list_workers(session: Session, caller: User) -> WorkerList:
                 address=w.address,
                 accelerator=w.accelerator,
                 gpus=w.gpus,
+                gpu_ids=list(w.gpu_ids or [str(i) for i in range(w.gpus)]),
                 gpus_free=max(0, w.gpus - len(used.get(w.name, ()))) if w.state == "online" else 0,
                 state=w.state,
                 last_heartbeat=w.last_heartbeat,

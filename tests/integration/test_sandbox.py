@@ -217,6 +217,7 @@ def test_workers_show_their_isolation_and_only_the_callers_jobs(walled: Stack) -
         for job in (mine, theirs):
             c.post(f"/v1/jobs/{job['id']}/cancel")
     assert all(w["isolation"] == "sandbox" for w in seen)
+    assert all(w["gpu_ids"] == [str(i) for i in range(w["gpus"])] for w in seen)  # CPU slots: themselves
     carol_sees = {j for w in seen for j in w["jobs"]}
     admin_sees = {j for w in everything for j in w["jobs"]}
     assert mine["id"] in carol_sees and theirs["id"] not in carol_sees

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ class NodeLaunch:
     isolation: Isolation = UNISOLATED
     read_only: tuple[str, ...] = ()  # inside a sandbox: the Python environment, script roots
     devices: tuple[str, ...] = ()  # inside a sandbox: the node's GPU device files
+    device_ids: tuple[str, ...] = ()  # the physical GPUs of `gpus` (devices.slot_ids); default the same
 
     def __post_init__(self) -> None:
         if self.mode not in ("single", "dp", "ddp"):
@@ -127,6 +128,8 @@ class LaunchPlan:
     config: dict[str, Any] | None
     isolation: Isolation = UNISOLATED
     owner: tuple[int, int] | None = None  # uid, gid the run folder is handed to (a root sandbox)
+    inner_argv: list[str] = field(default_factory=list)  # in a sandbox: torchrun's own command line
+    resume: str | None = None  # the resume file, on the worker's side
 
     @property
     def sandboxed(self) -> bool:
@@ -137,6 +140,12 @@ class LaunchPlan:
         """What the started process itself gets: in a sandbox, bwrap gets nothing of the job's
         (the ranks' environment travels in `paths.env_file`)."""
         return {"PATH": SYSTEM_PATH} if self.sandboxed else self.env
+
+
+def resume_dir_of(run_dir: Path) -> Path:
+    """Where a warm sandbox's read-only /resume folder lives once it runs a node: beside the
+    run folder (not in it: that one is writable inside), removed with it."""
+    return run_dir.with_name(run_dir.name + ".resume")
 
 
 def processes_per_node(mode: str, gpus: int) -> int:
@@ -198,6 +207,8 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
     iso = launch.isolation
     return LaunchPlan(
         argv=wrap(argv, iso, mounts, launch.python),
+        inner_argv=argv,
+        resume=launch.resume_path,
         env=env,
         cwd=launch.run_dir,
         paths=paths,
@@ -223,6 +234,12 @@ def passthrough(environ: Mapping[str, str], allowed: str) -> dict[str, str]:
     return env
 
 
+def code_folders(script_roots: Sequence[Path], passed: Mapping[str, str]) -> tuple[str, ...]:
+    """What a sandbox binds read-only besides the Python environment: the script roots, and
+    the folders of a PYTHONPATH the administrator passes to ranks (factory modules)."""
+    return (*map(str, script_roots), *filter(None, passed.get("PYTHONPATH", "").split(":")))
+
+
 def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
     """Contract §7: PATH, a private HOME and TMPDIR, LANG, the administrator's pass-through,
     the job's own `env`, then ours (the job cannot override those)."""
@@ -245,8 +262,8 @@ def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
         env["TORCHJOBS_RESUME_FROM"] = (
             inside_resume_path(launch.resume_path) if sandboxed else launch.resume_path
         )
-    if launch.accelerator == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in launch.gpus)
+    if launch.accelerator == "cuda":  # the worker's own devices, never bare slot numbers
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(launch.device_ids or [str(g) for g in launch.gpus])
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["TORCHJOBS_SLOTS"] = ",".join(str(g) for g in launch.gpus)

@@ -69,8 +69,17 @@ def sandbox_namespace(outer_pid: int) -> str | None:
 def pids_in_namespace(ns: str) -> list[int]:
     """Every process of one sandbox, its PID 1 (torchrun's agent) first: killing that one with
     SIGKILL makes the kernel kill all the others."""
-    found = [int(e) for e in os.listdir("/proc") if e.isdigit() and _namespace(e) == ns]
+    found = [int(e) for e in os.listdir("/proc") if e.isdigit() and _namespace(e) == ns and not _zombie(e)]
     return sorted(found, key=lambda pid: (_namespace_pid(pid) != 1, pid))
+
+
+def _zombie(pid: str) -> bool:
+    """Dead and not yet reaped: nothing left to signal."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def _namespace(pid: str) -> str | None:

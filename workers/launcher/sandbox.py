@@ -54,7 +54,6 @@ ETC_FILES = (
     "ca-certificates", "ca-certificates.conf", "alternatives", "os-release", "services",
     "protocols", "mime.types", "machine-id",
 )  # fmt: skip
-NVIDIA_CONTROL = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 
 # The sandbox's first program: SIGTERM when bwrap's outer process goes (the worker died, or
 # stopped the node), then torchrun with the environment from the file. `-S -I`: no site, no
@@ -95,7 +94,8 @@ class Mounts:
 
     run_dir: Path
     tmp_dir: Path
-    resume: str | None = None
+    resume: str | None = None  # a file, bound at /resume/NAME
+    resume_dir: Path | None = None  # or a whole folder at /resume (a spare sandbox's: see sandbox_spares.py)
     read_only: tuple[str, ...] = ()  # the Python environment, script roots
     devices: tuple[str, ...] = ()  # GPU device files
 
@@ -112,15 +112,19 @@ def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> li
     if iso.method == "bwrap-userns":
         args += ["--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns"]
     args += _system_binds()
-    read_only = _distinct(mounts.read_only)
-    args += _parents(read_only)
-    for path in read_only:
-        args += ["--ro-bind-try", path, path]
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm"]
     for device in mounts.devices:
         args += ["--dev-bind-try", device, device]
     args += ["--bind", str(mounts.run_dir), str(RUN_DIR), "--bind", str(mounts.tmp_dir), "/tmp"]
-    if mounts.resume:
+    # after /tmp: a virtual environment or a script root under /tmp is bound over the node's
+    # TMPDIR, not hidden by it
+    read_only = _distinct(mounts.read_only)
+    args += _parents(read_only)
+    for path in read_only:
+        args += ["--ro-bind-try", path, path]
+    if mounts.resume_dir is not None:
+        args += ["--ro-bind", str(mounts.resume_dir), str(RESUME_DIR)]
+    elif mounts.resume:
         args += ["--perms", "0755", "--dir", str(RESUME_DIR)]
         args += ["--ro-bind", mounts.resume, inside_resume_path(mounts.resume)]
     args += ["--chdir", str(RUN_DIR), "--"]
@@ -137,6 +141,7 @@ def _system_binds() -> list[str]:
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
+    args += ["--perms", "0755", "--dir", "/etc"]  # bwrap makes folders 0700, root's otherwise
     for name in ETC_FILES:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
     return [*args, "--ro-bind-try", "/sys", "/sys"]
@@ -175,38 +180,6 @@ def _distinct(paths: Sequence[str]) -> list[str]:
         if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
             kept.append(path)
     return kept
-
-
-def gpu_devices(accelerator: str, gpus: Sequence[int], minors: dict[int, int] | None) -> tuple[str, ...]:
-    """The device files of the node's GPUs (by their minor numbers when the worker knows them,
-    else every GPU's: CUDA_VISIBLE_DEVICES still selects) and the driver's control files."""
-    if accelerator != "cuda":
-        return ()
-    if minors:
-        cards = [f"/dev/nvidia{minors[g]}" for g in gpus if g in minors]
-    else:
-        cards = sorted(str(p) for p in Path("/dev").glob("nvidia[0-9]*"))
-    caps = (
-        sorted(str(p) for p in Path("/dev/nvidia-caps").glob("*"))
-        if Path("/dev/nvidia-caps").is_dir()
-        else []
-    )
-    return (*NVIDIA_CONTROL, *cards, *caps)
-
-
-def nvidia_minors() -> dict[int, int]:
-    """CUDA index -> /dev/nvidiaN, from nvidia-smi; empty when it cannot tell."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return {}
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=index,minor_number", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=True,
-        ).stdout  # fmt: skip
-        return {int(i): int(m) for i, m in (line.split(",") for line in out.strip().splitlines())}
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return {}
 
 
 def find_bwrap() -> str | None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from service.jobs.lifecycle import NodeOutcome
 from service.jobs.states import CANCELLING
-from workers.launcher.command import LaunchPlan, config_json, processes_per_node
+from workers.launcher.command import LaunchPlan, config_json, processes_per_node, resume_dir_of
 from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, FoundCheckpoint, RankLogs, epoch_from_name
@@ -35,6 +35,7 @@ from workers.launcher.procs import (
     sandbox_namespace,
     signal_all,
 )
+from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.warm_pool import WarmAgentPool
 from workers.reporter import END_WRITE_PATIENCE_S, Batch, JobControl, NodeKey
 
@@ -108,10 +109,8 @@ class NodeSupervisor:
                 os.chown(path, *owner)
 
     def run(self) -> NodeOutcome:
-        self.prepare()
-        plan = self.plan
         with self.agents.node_running():
-            proc = self.agents.start(plan.argv, plan.process_env, plan.cwd, plan.paths.agent_log)
+            proc = self.agents.launch(self.plan, self.prepare)
             try:
                 rc = self._watch(proc)
             finally:
@@ -328,11 +327,13 @@ class NodeSupervisor:
 
 
 def remove_run_dir(run_dir: Path) -> None:
-    """A node's folder and the short TMPDIR its `tmp` link points at."""
+    """A node's folder, the short TMPDIR its `tmp` link points at, and a warm sandbox's
+    /resume folder beside it."""
     link = run_dir / "tmp"
     if link.is_symlink():
         shutil.rmtree(os.readlink(link), ignore_errors=True)
     shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(resume_dir_of(run_dir), ignore_errors=True)
 
 
 def cold_agents() -> WarmAgentPool:
@@ -340,7 +341,12 @@ def cold_agents() -> WarmAgentPool:
     return WarmAgentPool({}, enabled=False)
 
 
-def warm_agents(base_env: dict[str, str], enabled: bool, spawn_when_idle: bool = False) -> WarmAgentPool:
+def warm_agents(
+    base_env: dict[str, str],
+    enabled: bool,
+    spawn_when_idle: bool = False,
+    sandboxes: SpareSandboxes | None = None,
+) -> WarmAgentPool:
     """The worker's pool: one agent kept waiting with torch imported (warm_agent.py).
 
     Every agent leads its own process group (so a stop reaches every rank) and gets SIGTERM if
@@ -349,4 +355,5 @@ def warm_agents(base_env: dict[str, str], enabled: bool, spawn_when_idle: bool =
     signal means the worker died; torchrun forwards it to its ranks, which checkpoint and
     exit: no orphan keeps training on GPU slots the scheduler has already given to someone else.
     """
-    return WarmAgentPool(base_env, enabled=enabled, spawn_when_idle=spawn_when_idle).begin()
+    pool = WarmAgentPool(base_env, enabled=enabled, spawn_when_idle=spawn_when_idle, sandboxes=sandboxes)
+    return pool.begin()

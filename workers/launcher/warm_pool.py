@@ -22,11 +22,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from service.parent_death import dying_with_parent
+from workers.launcher.command import LaunchPlan
 from workers.launcher.procs import kill_group
+from workers.launcher.sandbox import RUN_DIR
+from workers.launcher.sandbox_spares import SpareDirs, SpareSandboxes
 
 log = logging.getLogger("torchjobs.worker")
 
@@ -42,12 +45,15 @@ class WarmAgentPool:
         enabled: bool = True,
         spawn_when_idle: bool = False,
         handoff_timeout_s: float = 60.0,
+        sandboxes: SpareSandboxes | None = None,
     ) -> None:
         self.base_env, self.enabled, self.spawn_when_idle = dict(base_env), enabled, spawn_when_idle
+        self.sandboxes = sandboxes  # spares in a sandbox each (sandbox_spares.py), or plain ones
         self.handoff_timeout_s = handoff_timeout_s  # for the agent to take a launch (see _hand_over)
         self._running = 0  # nodes between node_running()'s enter and exit
         self.python = sys.executable
         self._spare: subprocess.Popen[bytes] | None = None
+        self._spare_dirs: SpareDirs | None = None  # the spare's sandbox folders, when sandboxed
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # _running fell to 0, or closing
         self._wanted = threading.Event()
@@ -85,19 +91,73 @@ class WarmAgentPool:
         self._wanted.set()
         with self._lock:
             spare, self._spare = self._spare, None
+            dirs, self._spare_dirs = self._spare_dirs, None
             self._changed.notify_all()
         if spare is not None:
             _retire(spare)
+        if dirs is not None and self.sandboxes is not None:
+            self.sandboxes.discard(dirs)
+
+    def launch(self, plan: LaunchPlan, prepare: Callable[[], None]) -> subprocess.Popen[bytes]:
+        """The node's agent: `prepare()` makes its run folder first (in a warm sandbox's case,
+        from the spare's own folders, which is why it is called here)."""
+        if not plan.sandboxed:
+            prepare()
+            return self.start(plan.argv, plan.process_env, plan.cwd, plan.paths.agent_log)
+        proc = self._take_sandboxed(plan, prepare)
+        if proc is not None:
+            return proc
+        if not plan.paths.run_dir.exists():
+            prepare()
+        self.cold_starts += 1
+        return self._cold(plan.argv, plan.process_env, plan.cwd, plan.paths.agent_log)
+
+    def _take_sandboxed(
+        self, plan: LaunchPlan, prepare: Callable[[], None]
+    ) -> subprocess.Popen[bytes] | None:
+        """A spare sandbox moved under the node and handed its launch, or None (then nothing
+        of a spare is left, and the run folder may already be made)."""
+        if self.sandboxes is None or not self.enabled:
+            return None
+        proc, dirs = self._take()
+        if proc is None or dirs is None:
+            if dirs is not None:
+                self.sandboxes.discard(dirs)
+            if proc is not None:
+                _kill(proc)
+            return None
+        try:
+            self.sandboxes.place(dirs, plan)
+        except OSError as exc:
+            log.warning("could not move the warm sandbox under the node (%s); starting it cold", exc)
+            _kill(proc)
+            self.sandboxes.discard(dirs)
+            return None
+        prepare()
+        request = _request(plan.inner_argv, plan.env, RUN_DIR, RUN_DIR / plan.paths.agent_log.name)
+        if self._hand_over(proc, request, plan.paths.agent_log):
+            self.warm_starts += 1
+            return proc
+        return None
 
     def start(
         self, argv: list[str], env: Mapping[str, str], cwd: Path, log_path: Path
     ) -> subprocess.Popen[bytes]:
         """The launch's agent, warm when one is ready for this argv and takes it, else cold."""
-        proc = self._take() if self._warmable(argv) else None
+        proc, dirs = self._take() if self._warmable(argv) else (None, None)
+        if proc is not None and dirs is not None and self.sandboxes is not None:
+            _kill(proc)  # a sandboxed spare never takes a launch outside a sandbox
+            self.sandboxes.discard(dirs)
+            proc = None
         if proc is not None and self._hand_over(proc, _request(argv, env, cwd, log_path), log_path):
             self.warm_starts += 1
             return proc
         self.cold_starts += 1
+        return self._cold(argv, env, cwd, log_path)
+
+    def _cold(
+        self, argv: list[str], env: Mapping[str, str], cwd: Path, log_path: Path
+    ) -> subprocess.Popen[bytes]:
         with open(log_path, "wb") as out:
             return subprocess.Popen(
                 dying_with_parent(argv),
@@ -143,15 +203,19 @@ class WarmAgentPool:
     def _warmable(self, argv: list[str]) -> bool:
         return self.enabled and len(argv) > 3 and argv[0] == self.python and tuple(argv[1:3]) == TORCHRUN
 
-    def _take(self) -> subprocess.Popen[bytes] | None:
+    def _take(self) -> tuple[subprocess.Popen[bytes] | None, SpareDirs | None]:
+        """The spare if it is alive, and its sandbox's folders if it has any (both go)."""
         with self._lock:
             spare, self._spare = self._spare, None
+            dirs, self._spare_dirs = self._spare_dirs, None
         self._wanted.set()
         if spare is not None and spare.poll() is None:
-            return spare
+            return spare, dirs
         if spare is not None:
             log.warning("the warm torchrun agent had exited (%s); starting one cold", spare.returncode)
-        return None
+        if dirs is not None and self.sandboxes is not None:
+            self.sandboxes.discard(dirs)
+        return None, None
 
     def _spawn_loop(self) -> None:
         while True:
@@ -163,14 +227,17 @@ class WarmAgentPool:
                 if self._spare is not None and self._spare.poll() is None:
                     continue
             try:
-                spare = self._spawn()
+                spare, dirs = self._spawn()
             except OSError as exc:
                 log.warning("could not start a warm torchrun agent (%s); launches start cold", exc)
                 self._stopping.wait(5.0)
                 self._wanted.set()
                 continue
             with self._lock:
+                old, self._spare_dirs = self._spare_dirs, dirs
                 self._spare = spare
+            if old is not None and self.sandboxes is not None:  # the spare before it had died
+                self.sandboxes.discard(old)
 
     def _wait_idle(self) -> bool:
         """Until no node runs; False if the pool closes first."""
@@ -178,7 +245,9 @@ class WarmAgentPool:
             self._changed.wait_for(lambda: self._running == 0 or self._stopping.is_set())
         return not self._stopping.is_set()
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def _spawn(self) -> tuple[subprocess.Popen[bytes], SpareDirs | None]:
+        if self.sandboxes is not None:
+            return self.sandboxes.spawn()
         return subprocess.Popen(
             dying_with_parent([self.python, "-m", "workers.launcher.warm_agent"]),
             env={**self.base_env, "PYTHONUNBUFFERED": "1"},
@@ -186,7 +255,7 @@ class WarmAgentPool:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-        )
+        ), None
 
 
 def _request(argv: list[str], env: Mapping[str, str], cwd: Path, log_path: Path) -> bytes:

@@ -148,9 +148,9 @@ def test_a_warm_agent_that_does_not_take_its_launch_is_killed_and_the_launch_sta
 ) -> None:
     spares: list[subprocess.Popen[bytes]] = []
 
-    def spawn() -> subprocess.Popen[bytes]:
+    def spawn() -> tuple[subprocess.Popen[bytes], None]:
         spares.append(_stuck_spare())
-        return spares[-1]
+        return spares[-1], None
 
     pool = WarmAgentPool({"PATH": "/usr/bin:/bin"}, enabled=True, handoff_timeout_s=1.0)
     monkeypatch.setattr(pool, "_spawn", spawn)

@@ -1,0 +1,211 @@
+"""The sandbox itself, run for real (bubblewrap): the uid, the view, the processes, the end.
+
+Both mechanisms are built here as root (this machine's tests run as root): the root worker's
+(`bwrap-setuid`: setpriv to an unprivileged uid) and the non-root worker's (`bwrap-userns`:
+a user namespace), the latter started by root, since no other user can reach this machine's
+Python under /root. tests/integration/test_sandbox.py covers whole jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import free_port
+from workers.launcher import procs, sandbox
+from workers.launcher.command import NodeLaunch, build_launch, resume_dir_of
+from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
+from workers.launcher.sandbox_spares import SpareSandboxes
+from workers.launcher.supervisor import Hooks, NodeSupervisor, warm_agents
+from workers.reporter import NodeKey
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="builds both sandboxes as root")
+
+
+def _iso(method: str) -> Isolation:
+    bwrap = sandbox.find_bwrap()
+    assert bwrap, "bubblewrap is a dependency of torchjobs"
+    if method == "bwrap-setuid":
+        return Isolation(kind="sandbox", method=method, bwrap=bwrap, uid=65534, gid=65534)
+    return Isolation(kind="sandbox", method=method, bwrap=bwrap)
+
+
+def _run_dir(tmp_path: Path, iso: Isolation, env: dict[str, str]) -> Mounts:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ENV_FILE).write_text(json.dumps(env))
+    if iso.uid is not None:
+        for path in (run, run / ENV_FILE):
+            os.chown(path, iso.uid, iso.gid or iso.uid)
+    resume = tmp_path / "secret-cache" / "abc.pt"
+    resume.parent.mkdir()
+    resume.write_bytes(b"weights")
+    resume.chmod(0o644)
+    (tmp_path / "admin.token").write_text("tj_secret")
+    python = sandbox.python_paths(sys.executable)
+    return Mounts(run_dir=run, tmp_dir=run, resume=str(resume), read_only=python)
+
+
+PROBE = r"""
+import json, os, sys
+def can(fn):
+    try:
+        fn(); return True
+    except OSError:
+        return False
+home = os.path.dirname(os.path.dirname(os.environ["SECRET"]))
+print(json.dumps({
+    "uid": os.getuid(),
+    "env": sorted(os.environ),
+    "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+    "cwd": os.getcwd(),
+    "resume": open("/resume/abc.pt", "rb").read().decode(),
+    "resume_writable": can(lambda: open("/resume/abc.pt", "ab").close()),
+    "job_writable": can(lambda: open("/job/x", "w").close()),
+    "prefix_writable": can(lambda: open(os.path.join(sys.prefix, "x"), "w").close()),
+    "secret_visible": os.path.exists(os.environ["SECRET"]),
+    "root_listing": sorted(os.listdir("/")),
+    "etc": sorted(os.listdir("/etc")),
+}))
+"""
+
+
+@pytest.mark.parametrize("method", ["bwrap-setuid", "bwrap-userns"])
+def test_a_sandbox_has_its_own_uid_view_and_processes(tmp_path: Path, method: str) -> None:
+    iso = _iso(method)
+    secret = str(tmp_path / "admin.token")
+    mounts = _run_dir(tmp_path, iso, {"PATH": "/usr/bin:/bin", "SECRET": secret, "MINE": "1"})
+    argv = sandbox.wrap([sys.executable, "-c", PROBE], iso, mounts, sys.executable)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={"LEAK": "worker"})
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["uid"] == (65534 if method == "bwrap-setuid" else 1000)
+    # the file's environment, nothing of bwrap's (LC_CTYPE: Python's own C-locale coercion)
+    assert [k for k in seen["env"] if k != "LC_CTYPE"] == ["MINE", "PATH", "SECRET"]
+    assert seen["pids"] == [1]  # itself, PID 1 of its own namespace
+    assert seen["cwd"] == "/job" and seen["resume"] == "weights"
+    assert not seen["resume_writable"] and not seen["prefix_writable"] and seen["job_writable"]
+    assert not seen["secret_visible"]
+    assert "shadow" not in seen["etc"] and "root" in seen["root_listing"]
+
+
+def test_killing_pid_1_ends_the_whole_sandbox_even_what_ignores_sigterm(tmp_path: Path) -> None:
+    iso = _iso("bwrap-setuid")
+    mounts = _run_dir(tmp_path, iso, {"PATH": "/usr/bin:/bin"})
+    stubborn = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+    stubborn += "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+    stubborn += "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'], start_new_session=True);"
+    stubborn += "time.sleep(600)"
+    argv = sandbox.wrap([sys.executable, "-c", stubborn], iso, mounts, sys.executable)
+    outer = subprocess.Popen(argv, env={}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            ns = procs.sandbox_namespace(outer.pid)
+            inside = procs.pids_in_namespace(ns) if ns else []
+            if len(inside) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert len(inside) >= 2, "the sandbox's two processes did not start"
+        procs.signal_all(inside, signal.SIGTERM)  # ignored by both
+        time.sleep(0.5)
+        assert procs.pids_in_namespace(ns) == inside
+        found = procs.sandbox_run_dirs()
+        assert found[ns] == (outer.pid, str(mounts.run_dir) + "/")
+        assert procs.kill_under(str(tmp_path) + "/") >= 1  # what a restarted worker does
+        outer.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while procs.pids_in_namespace(ns) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert procs.pids_in_namespace(ns) == []
+    finally:
+        outer.kill()
+
+
+def test_detect_says_why_there_is_no_sandbox() -> None:
+    off = sandbox.detect("off", "torchjobs-run")
+    assert off.kind == "none" and "TORCHJOBS_SANDBOX=off" in off.detail
+    here = sandbox.detect("auto", "torchjobs-run")
+    assert here.kind == "sandbox" and here.method == "bwrap-setuid" and here.uid not in (None, 0)
+
+
+WHOAMI = """
+import os, shutil
+env = os.environ
+print(f"uid={os.getuid()} cwd={os.getcwd()} home={env['HOME']} flag={env.get('MY_FLAG')}", flush=True)
+print("resume=" + open(os.environ["TORCHJOBS_RESUME_FROM"]).read(), flush=True)
+print("processes=" + ",".join(sorted(p for p in os.listdir("/proc") if p.isdigit())), flush=True)
+ckpts = os.environ["TORCHJOBS_CHECKPOINT_DIR"]
+with open(os.path.join(ckpts, "final.pt.tmp"), "w") as fh:
+    fh.write("weights")
+os.rename(os.path.join(ckpts, "final.pt.tmp"), os.path.join(ckpts, "final.pt"))
+"""
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_node_runs_in_a_sandbox_warm_or_cold_and_leaves_nothing(tmp_path: Path, warm: bool) -> None:
+    """The whole supervisor: a warm spare sandbox is moved under the node (its folders renamed
+    to the node's), or a cold one is made for it; either way the rank sees /job, its resume
+    file and only its own processes, and the node's end removes every folder."""
+    iso = sandbox.detect("auto", "torchjobs-run")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "whoami.py").write_text(WHOAMI)
+    resume = tmp_path / "cache" / "abc.pt"
+    resume.parent.mkdir()
+    resume.write_text("weights-1")
+    resume.chmod(0o644)
+    read_only = (*sandbox.python_paths(sys.executable), str(code))
+    runs = tmp_path / "runs"
+    spares = SpareSandboxes(iso, read_only, runs / ".spares", Path(tempfile.gettempdir()), sys.executable)
+    pool = warm_agents({}, enabled=warm, sandboxes=spares)
+    try:
+        deadline = time.monotonic() + 60
+        while warm and not pool.ready():
+            assert time.monotonic() < deadline, "no warm sandbox started"
+            time.sleep(0.05)
+        run_dir = runs / "job-1" / "attempt-1" / "node-0"
+        launch = NodeLaunch(
+            job_id=1, attempt=1, node_rank=0, nnodes=1, mode="single", gpus=(0,), accelerator="cpu",
+            master_addr="127.0.0.1", master_port=free_port(), entrypoint={"kind": "script", "path": "x.py"},
+            hyperparameters=None, script_path=str(code / "whoami.py"), run_dir=run_dir, python=sys.executable,
+            tmp_root=Path(tempfile.gettempdir()), resume_path=str(resume), isolation=iso, read_only=read_only,
+            user_env={"MY_FLAG": "on"},
+        )  # fmt: skip
+        batches: list = []
+        stored: list[str] = []
+        node = NodeSupervisor(
+            key=NodeKey(job_id=1, attempt=1, node_rank=0),
+            plan=build_launch(launch),
+            mode="single",
+            gpus=1,
+            hooks=Hooks(
+                write_batch=lambda b: batches.append(b) or None,
+                record_checkpoint=lambda p, m, v: stored.append(p.read_text()),
+                job_control=lambda: ("running", 1),
+            ),
+            grace_s=5,
+            shutdown=threading.Event(),
+            agents=pool,
+        )
+        outcome = node.run()
+        out = b"".join(data for b in batches for _, _, data in b.logs).decode()
+        assert outcome.state == "succeeded", (outcome.error, out)
+        assert (pool.warm_starts, pool.cold_starts) == ((1, 0) if warm else (0, 1))
+        assert f"uid={iso.uid} cwd=/job home=/job/home flag=on" in out
+        assert "resume=weights-1" in out and stored == ["weights"]
+        assert len(out.split("processes=")[1].split()[0].split(",")) <= 3  # agent, rank, and its shell
+        node.cleanup()
+        assert not run_dir.exists() and not resume_dir_of(run_dir).exists()
+    finally:
+        pool.close()
+    assert not any((runs / ".spares").glob("*/run"))  # the next spare, discarded with the pool

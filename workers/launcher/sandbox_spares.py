@@ -1,0 +1,98 @@
+"""Warm torchrun agents inside a sandbox: made before the job, moved under it when it comes.
+
+A warm agent (warm_agent.py) saves a launch the agent's interpreter start and torch import,
+about a second. A sandbox is bound to one run folder, which does not exist before its job, so
+a spare sandbox gets folders of its own: `run` (bound at /job), `tmp` (bound at /tmp) and
+`resume` (bound read-only at /resume). When a launch comes, those folders are *renamed* to the
+node's run folder and TMPDIR: a bind mount follows the folder, not its name, so inside the
+spare's sandbox /job is now the node's folder, and everything the supervisor does on the
+host's side (logs, events, checkpoints, clean-up) works on the usual paths. The resume file
+is hard-linked into `resume` (copied when that cannot be), read-only inside as for a cold
+launch, and `resume` is moved beside the run folder, to go with it.
+
+Only on CPU workers: a spare would have to hold every GPU's device file, where a cold launch
+binds only its own job's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from service.parent_death import dying_with_parent
+from workers.launcher.command import SYSTEM_PATH, LaunchPlan, resume_dir_of
+from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts, wrap
+
+
+@dataclass(frozen=True)
+class SpareDirs:
+    root: Path  # what is left of it after placing goes
+    run: Path  # bound at /job
+    tmp: Path  # bound at /tmp
+    resume: Path  # bound at /resume, read-only
+
+
+class SpareSandboxes:
+    def __init__(
+        self, iso: Isolation, read_only: tuple[str, ...], spares_root: Path, tmp_root: Path, python: str
+    ) -> None:
+        self.iso, self.read_only, self.python = iso, read_only, python
+        self.spares_root, self.tmp_root = spares_root, tmp_root
+
+    def spawn(self) -> tuple[subprocess.Popen[bytes], SpareDirs]:
+        dirs = self._make_dirs()
+        mounts = Mounts(run_dir=dirs.run, tmp_dir=dirs.tmp, resume_dir=dirs.resume, read_only=self.read_only)
+        argv = wrap([self.python, "-m", "workers.launcher.warm_agent"], self.iso, mounts, self.python)
+        try:
+            proc = subprocess.Popen(
+                dying_with_parent(argv),
+                env={"PATH": SYSTEM_PATH},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError:
+            self.discard(dirs)
+            raise
+        return proc, dirs
+
+    def _make_dirs(self) -> SpareDirs:
+        name = uuid.uuid4().hex[:12]
+        root = self.spares_root / name
+        tmp = self.tmp_root / f"torchjobs-spare-{name}"
+        dirs = SpareDirs(root=root, run=root / "run", tmp=tmp, resume=root / "resume")
+        for folder in (dirs.run, dirs.tmp, dirs.resume):
+            folder.mkdir(parents=True)
+        env_file = dirs.run / ENV_FILE
+        env_file.write_text(json.dumps({"PATH": SYSTEM_PATH, "PYTHONUNBUFFERED": "1"}))
+        if self.iso.uid is not None:
+            for path in (dirs.run, dirs.tmp, env_file):
+                os.chown(path, self.iso.uid, self.iso.gid if self.iso.gid is not None else self.iso.uid)
+        return dirs
+
+    def place(self, dirs: SpareDirs, plan: LaunchPlan) -> None:
+        """The spare's folders become the node's (the sandbox inside sees no change)."""
+        paths = plan.paths
+        paths.run_dir.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(dirs.run, paths.run_dir)
+        os.rename(dirs.tmp, paths.tmp)
+        if plan.resume:
+            target = dirs.resume / Path(plan.resume).name
+            try:
+                os.link(plan.resume, target)
+            except OSError:
+                shutil.copyfile(plan.resume, target)
+        os.rename(dirs.resume, resume_dir_of(paths.run_dir))
+        shutil.rmtree(dirs.root, ignore_errors=True)
+
+    def discard(self, dirs: SpareDirs) -> None:
+        for folder in (dirs.root, dirs.tmp):
+            with contextlib.suppress(OSError):
+                shutil.rmtree(folder)
