@@ -261,7 +261,7 @@ def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
 
     With `home`, only those of the stack living there: job ids repeat across test stacks.
     """
-    from workers.launcher.procs import sandbox_run_dirs
+    from workers.launcher.procs import pid_namespace, sandbox_run_dirs
 
     needle = f"TORCHJOBS_JOB_ID={job_id}".encode()
     where = f"TORCHJOBS_CHECKPOINT_DIR={home}".encode() if home else b""
@@ -275,7 +275,7 @@ def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
                 env = fh.read().split(b"\0")
         except OSError:
             continue
-        ns = _pid_namespace(entry) or ""
+        ns = pid_namespace(entry) or ""
         if ns in sandboxes:
             members.setdefault(ns, []).append(int(entry))
             if needle in env or f"/job-{job_id}/" in sandboxes[ns]:
@@ -288,13 +288,6 @@ def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
         if home is None or sandboxes[ns].startswith(str(home)):
             found += members[ns]
     return found
-
-
-def _pid_namespace(pid: str) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        return None
 
 
 def _warm_agent_of(pid: str, job_id: int, home: Path | None) -> bool:

@@ -57,10 +57,10 @@ def sandbox_namespace(outer_pid: int) -> str | None:
     there lives in a namespace that is not ours. None until that child exists (or once all of
     it ended). Inside, every rank has the same TORCHJOBS_CHECKPOINT_DIR (/job/...), so the
     namespace, not the environment, tells one node's processes from another's."""
-    mine = _namespace("self")
+    mine = pid_namespace("self")
     for entry in os.listdir("/proc"):
         if entry.isdigit() and _parent(entry) == outer_pid:
-            ns = _namespace(entry)
+            ns = pid_namespace(entry)
             if ns is not None and ns != mine:
                 return ns
     return None
@@ -69,7 +69,7 @@ def sandbox_namespace(outer_pid: int) -> str | None:
 def pids_in_namespace(ns: str) -> list[int]:
     """Every process of one sandbox, its PID 1 (torchrun's agent) first: killing that one with
     SIGKILL makes the kernel kill all the others."""
-    found = [int(e) for e in os.listdir("/proc") if e.isdigit() and _namespace(e) == ns and not _zombie(e)]
+    found = [int(e) for e in os.listdir("/proc") if e.isdigit() and pid_namespace(e) == ns and not _zombie(e)]
     return sorted(found, key=lambda pid: (_namespace_pid(pid) != 1, pid))
 
 
@@ -82,7 +82,7 @@ def _zombie(pid: str) -> bool:
         return True
 
 
-def _namespace(pid: str) -> str | None:
+def pid_namespace(pid: str) -> str | None:
     try:
         return os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
