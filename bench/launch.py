@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,8 +141,14 @@ def steady_throughput(reports: list[dict[str, Any]]) -> float | None:
     return statistics.median(windows) if windows else last_throughput(reports)
 
 
-def run_bare(spec: dict[str, Any], where: Path, timeout: float) -> dict[str, Any]:
-    """torchrun by hand: (first step s, wall s, samples/s)."""
+Launcher = Callable[[list[str], dict[str, str], Path], tuple[list[str], dict[str, str]]]
+
+
+def run_bare(
+    spec: dict[str, Any], where: Path, timeout: float, launcher: Launcher | None = None
+) -> dict[str, Any]:
+    """torchrun by hand: (first step s, wall s, samples/s). `launcher` may rewrite the command
+    line and environment (bench/sandbox.py runs the same torchrun inside bubblewrap)."""
     where.mkdir(parents=True)
     (where / "config.json").write_text(json.dumps(trainer_config(spec)))
     events = where / "events.jsonl"
@@ -164,6 +171,8 @@ def run_bare(spec: dict[str, Any], where: Path, timeout: float) -> dict[str, Any
         "--config",
         str(where / "config.json"),
     ]
+    if launcher is not None:
+        argv, env = launcher(argv, env, where)
     with open(where / "torchrun.log", "wb") as log:
         t0 = time.time()
         proc = subprocess.Popen(

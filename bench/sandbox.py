@@ -14,6 +14,11 @@ turns, the order rotating every round so that a shared machine's drift hits all 
 * **no sandbox, cold**: the same with `TORCHJOBS_WARM_AGENT=false`, which splits the cost into
   bubblewrap's own and the warm agent's that the sandbox gives up.
 
+Then the floor of the throughput figure without any service: the same `torchrun` by hand
+(bench/launch.py's bare run), alternately as it is and inside bubblewrap exactly as a node's
+sandbox builds it (as the sandbox user, the run folder at /job), so that bubblewrap's own
+cost is told apart from the noise of three stacks on two cores.
+
 Launch is bench/launch.py's measure (the rank's own timestamp of its first optimizer step,
 from the moment before the POST), one epoch of digits; throughput is the steady samples/s of
 a DDP x2 job on synthetic data, paired sandbox / no sandbox.
@@ -23,14 +28,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, bench_env, figure, print_figures, workdir, write_result
-from bench.launch import launch_job, long_job, run_service
+from bench.launch import launch_job, long_job, run_bare, run_service
 from tests import harness
+from workers.launcher import sandbox
+from workers.launcher.sandbox import ENV_FILE, RUN_DIR, Mounts
 
 SIDES = {
     "sandbox": {},
@@ -68,6 +77,39 @@ def rounds(up: dict[str, harness.Stack], spec: dict[str, Any], n: int, timeout: 
     return runs
 
 
+def in_sandbox(iso: sandbox.Isolation) -> Any:
+    """bench.launch's bare torchrun, moved into a node's sandbox: its folder at /job."""
+
+    def launcher(argv: list[str], env: dict[str, str], where: Path) -> tuple[list[str], dict[str, str]]:
+        inside = [a.replace(str(where), str(RUN_DIR)) for a in argv]
+        env = {k: v.replace(str(where), str(RUN_DIR)) for k, v in env.items()}
+        (where / "tmp").mkdir(exist_ok=True)
+        (where / "checkpoints").mkdir(exist_ok=True)
+        env_file = where / ENV_FILE
+        env_file.write_text(json.dumps({**env, "TMPDIR": "/tmp", "HOME": "/job"}))
+        if iso.uid is not None:
+            for path in (where, where / "tmp", where / "checkpoints", env_file):
+                os.chown(path, iso.uid, iso.gid if iso.gid is not None else iso.uid)
+        read_only = (*sandbox.python_paths(sys.executable), str(REPO / "workers"))
+        mounts = Mounts(run_dir=where, tmp_dir=where / "tmp", read_only=read_only)
+        return sandbox.wrap(inside, iso, mounts, sys.executable), {"PATH": "/usr/bin:/bin"}
+
+    return launcher
+
+
+def bare_pairs(spec: dict[str, Any], n: int, scratch: Path) -> dict[str, list]:
+    iso = sandbox.detect("auto", "torchjobs-run")
+    if not iso.sandboxed:
+        raise RuntimeError(f"no sandbox here: {iso.detail}")
+    runs: dict[str, list[dict[str, Any]]] = {"bwrap": [], "bare": []}
+    for i in range(n):
+        for side in ("bwrap", "bare") if i % 2 == 0 else ("bare", "bwrap"):
+            launcher = in_sandbox(iso) if side == "bwrap" else None
+            runs[side].append(run_bare(spec, scratch / f"bare-{side}-{i}", 900, launcher))
+        print(f"  bare torchrun pair {i + 1}/{n}", file=sys.stderr, flush=True)
+    return runs
+
+
 def figures(launch: dict[str, dict[str, list]], long: dict[str, list]) -> list[dict[str, Any]]:
     figs = []
     for mode, runs in launch.items():
@@ -94,7 +136,19 @@ def figures(launch: dict[str, dict[str, list]], long: dict[str, list]) -> list[d
                     floor_name=floor_side,
                 )
             )
-    if long:
+    if long.get("bwrap"):
+        figs.append(
+            figure(
+                "throughput, ddp x2, torchrun by hand in bwrap",
+                "samples/s",
+                [r["samples_per_sec"] for r in long["bwrap"]],
+                [r["samples_per_sec"] for r in long["bare"]],
+                setup="no service",
+                floor_name="the same, no bwrap",
+                target=">= 0.99",
+            )
+        )
+    if long.get("sandbox"):
         figs.append(
             figure(
                 "throughput, ddp x2",
@@ -115,28 +169,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--runs", type=int, default=6, help="launch rounds per mode")
     parser.add_argument("--long-runs", type=int, default=8, help="rounds of the throughput job (noisy: more)")
+    parser.add_argument("--bare-runs", type=int, default=8, help="pairs of bare torchrun, in bwrap and not")
     parser.add_argument("--synthetic-size", type=int, default=12288)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--artifacts", type=Path, default=REPO / "test-artifacts" / "bench" / "sandbox")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.runs, args.long_runs = 1, 0
+        args.runs, args.long_runs, args.bare_runs = 1, 0, 0
     launch: dict[str, dict[str, list]] = {}
     long: dict[str, list] = {}
-    with workdir("tj-bench-sandbox-", keep_on_error=args.artifacts) as scratch, stacks(scratch) as up:
-        for mode in ("single", "ddp"):
-            run_service(up["sandbox"], launch_job(mode), 300)  # warm-up, not counted
-            launch[mode] = rounds(up, launch_job(mode), args.runs, 300)
-        if args.long_runs:
-            pair = {k: up[k] for k in ("sandbox", "no sandbox")}
-            long = rounds(pair, long_job("ddp", args.synthetic_size, args.epochs), args.long_runs, 900)
+    job = long_job("ddp", args.synthetic_size, args.epochs)
+    with workdir("tj-bench-sandbox-", keep_on_error=args.artifacts) as scratch:
+        if args.bare_runs:  # first, alone on the machine: no stack is up yet
+            long.update(bare_pairs(job, args.bare_runs, scratch))
+        with stacks(scratch) as up:
+            for mode in ("single", "ddp"):
+                run_service(up["sandbox"], launch_job(mode), 300)  # warm-up, not counted
+                launch[mode] = rounds(up, launch_job(mode), args.runs, 300)
+            if args.long_runs:
+                pair = {k: up[k] for k in ("sandbox", "no sandbox")}
+                long.update(rounds(pair, job, args.long_runs, 900))
     result = {
         "name": "sandbox",
         "title": "The ranks' sandbox: launch and throughput against the same product unsandboxed",
         "figures": figures(launch, long),
         "notes": [
             f"embedded stacks side by side, {args.runs} launch round(s) per mode, {args.long_runs} "
-            f"throughput round(s) of ddp x2 on synthetic ({args.synthetic_size} x {args.epochs} epochs)",
+            f"throughput round(s) of ddp x2 on synthetic ({args.synthetic_size} x {args.epochs} epochs); "
+            f"{args.bare_runs} pair(s) of the same job by hand, in bwrap and not, before any stack starts",
             "sandbox: the warm agent waits in a spare sandbox, moved under the node at launch; "
             "no sandbox, cold: TORCHJOBS_WARM_AGENT=false, which splits bubblewrap's own cost from "
             "the warm agent's",
