@@ -85,11 +85,9 @@ def register(ctx: WorkerContext) -> None:
 def spare_sandboxes(ctx: WorkerContext) -> SpareSandboxes:
     """Warm agents each in a sandbox of their own, moved under a node when it comes (CPU
     workers: a CUDA spare would have to hold every GPU's device file)."""
-    passed = passthrough(os.environ, ctx.settings.rank_env_allow)
-    code = code_folders(ctx.settings.script_root_paths, passed)
     return SpareSandboxes(
         ctx.isolation,
-        read_only=(*sandbox.python_paths(sys.executable), *code),
+        read_only=ctx.sandbox_read_only,
         spares_root=ctx.run_root / ".spares",
         tmp_root=Path(tempfile.gettempdir()),
         python=sys.executable,
@@ -150,8 +148,12 @@ def run_worker(
     remove_stale_runs(ctx.run_root)  # before a spare sandbox is made there
     ctx.isolation = sandbox.detect(settings.sandbox, settings.sandbox_user)
     announce_isolation(ctx.isolation, settings)
+    ctx.rank_base_env = passthrough(os.environ, settings.rank_env_allow)
+    if ctx.isolation.sandboxed:  # the Python environment, script roots, a passed PYTHONPATH
+        code = code_folders(settings.script_root_paths, ctx.rank_base_env)
+        ctx.sandbox_read_only = (*sandbox.python_paths(sys.executable), *code)
     if kind == "cuda":
-        ctx.gpu_ids = devices.slot_ids(devices.visible_devices(os.environ), ctx.gpus)
+        ctx.gpu_ids = devices.slot_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), ctx.gpus)
         ctx.host_gpus = devices.nvidia_gpus()
     else:
         ctx.gpu_ids = tuple(str(i) for i in range(ctx.gpus))

@@ -29,6 +29,8 @@ class WorkerContext:
     isolation: Isolation = UNISOLATED  # how ranks are walled off (probed at start)
     gpu_ids: tuple[str, ...] = ()  # the physical GPU behind each slot (launcher/devices.py)
     host_gpus: tuple[Gpu, ...] = ()  # what nvidia-smi says of this host's GPUs
+    rank_base_env: dict[str, str] = field(default_factory=dict)  # the worker's variables ranks get
+    sandbox_read_only: tuple[str, ...] = ()  # what every sandbox of this worker binds read-only
 
     @property
     def run_root(self) -> Path:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -17,9 +16,8 @@ from service.jobs.validation import resolve_script
 from service.models import Checkpoint
 from workers import reporter
 from workers.context import WorkerContext
-from workers.launcher.command import NodeLaunch, build_launch, code_folders, passthrough
+from workers.launcher.command import NodeLaunch, build_launch
 from workers.launcher.devices import device_files
-from workers.launcher.sandbox import python_paths
 from workers.launcher.supervisor import Hooks, NodeSupervisor
 from workers.reporter import NodeKey
 
@@ -134,8 +132,6 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
     assert isinstance(gpus, tuple)
     device_ids = tuple(ctx.gpu_ids[g] for g in gpus) if ctx.gpu_ids else ()
     cuda_sandbox = ctx.isolation.sandboxed and ctx.accelerator == "cuda"
-    passed = passthrough(os.environ, ctx.settings.rank_env_allow)
-    code = code_folders(ctx.settings.script_root_paths, passed)
     return NodeLaunch(
         **fields,  # type: ignore[arg-type]
         master_addr=master_addr,
@@ -147,9 +143,9 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         preflight_timeout_s=ctx.settings.preflight_timeout_s,
         resume_path=resume_path,
         tmp_root=Path(tempfile.gettempdir()),
-        base_env=passed,
+        base_env=ctx.rank_base_env,
         isolation=ctx.isolation,
-        read_only=(*python_paths(sys.executable), *code) if ctx.isolation.sandboxed else (),
+        read_only=ctx.sandbox_read_only,
         device_ids=device_ids,
         devices=device_files(device_ids, ctx.host_gpus) if cuda_sandbox else (),
     )

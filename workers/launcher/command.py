@@ -214,7 +214,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         paths=paths,
         config=config,
         isolation=iso,
-        owner=(iso.uid, iso.gid if iso.gid is not None else iso.uid) if iso.uid is not None else None,
+        owner=iso.owner,
     )
 
 

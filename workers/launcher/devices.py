@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,7 +72,3 @@ def nvidia_gpus() -> tuple[Gpu, ...]:
         return tuple(Gpu(index=int(i), uuid=u, minor=int(m)) for i, u, m in rows)
     except (OSError, ValueError, subprocess.SubprocessError):
         return ()
-
-
-def visible_devices(environ: Mapping[str, str]) -> str | None:
-    return environ.get("CUDA_VISIBLE_DEVICES")

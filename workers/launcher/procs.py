@@ -73,13 +73,19 @@ def pids_in_namespace(ns: str) -> list[int]:
     return sorted(found, key=lambda pid: (_namespace_pid(pid) != 1, pid))
 
 
-def _zombie(pid: str) -> bool:
-    """Dead and not yet reaped: nothing left to signal."""
+def _stat(pid: str) -> list[bytes]:
+    """/proc/PID/stat's fields after the command name (state, ppid, …); [] when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+            return fh.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
-        return True
+        return []
+
+
+def _zombie(pid: str) -> bool:
+    """Dead and not yet reaped: nothing left to signal."""
+    fields = _stat(pid)
+    return not fields or fields[0] in (b"Z", b"X")
 
 
 def pid_namespace(pid: str) -> str | None:
@@ -90,11 +96,8 @@ def pid_namespace(pid: str) -> str | None:
 
 
 def _parent(pid: str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return int(fh.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 else None
 
 
 def _namespace_pid(pid: int) -> int | None:

@@ -81,6 +81,14 @@ class Isolation:
     def sandboxed(self) -> bool:
         return self.kind == SANDBOX
 
+    @property
+    def owner(self) -> tuple[int, int] | None:
+        """(uid, gid) the sandbox's writable folders are handed to: a root worker's sandbox
+        user; None where the ranks are the worker's own uid on the host (user namespaces)."""
+        if self.uid is None:
+            return None
+        return self.uid, self.gid if self.gid is not None else self.uid
+
     def describe(self) -> str:
         return f"{self.kind} ({self.detail})" if self.detail else self.kind
 
@@ -254,9 +262,9 @@ def _probe(iso: Isolation) -> str:
         run = Path(tmp) / "run"
         run.mkdir()
         (run / ENV_FILE).write_text('{"PATH": "/usr/bin:/bin"}')
-        if iso.uid is not None:
+        if iso.owner is not None:
             for path in (run, run / ENV_FILE):
-                os.chown(path, iso.uid, iso.gid or iso.uid)
+                os.chown(path, *iso.owner)
         mounts = Mounts(run_dir=run, tmp_dir=run, read_only=python_paths(sys.executable))
         probe = [sys.executable, "-S", "-c", "import os; print(os.getuid())"]  # the ranks' interpreter
         argv = wrap(probe, iso, mounts, sys.executable)

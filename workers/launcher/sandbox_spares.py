@@ -72,9 +72,9 @@ class SpareSandboxes:
             folder.mkdir(parents=True)
         env_file = dirs.run / ENV_FILE
         env_file.write_text(json.dumps({"PATH": SYSTEM_PATH, "PYTHONUNBUFFERED": "1"}))
-        if self.iso.uid is not None:
+        if self.iso.owner is not None:
             for path in (dirs.run, dirs.tmp, env_file):
-                os.chown(path, self.iso.uid, self.iso.gid if self.iso.gid is not None else self.iso.uid)
+                os.chown(path, *self.iso.owner)
         return dirs
 
     def place(self, dirs: SpareDirs, plan: LaunchPlan) -> None:

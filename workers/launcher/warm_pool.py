@@ -107,8 +107,7 @@ class WarmAgentPool:
         proc = self._take_sandboxed(plan, prepare)
         if proc is not None:
             return proc
-        if not plan.paths.run_dir.exists():
-            prepare()
+        prepare()  # again where a spare's hand-over failed: it only makes what is missing
         self.cold_starts += 1
         return self._cold(plan.argv, plan.process_env, plan.cwd, plan.paths.agent_log)
 
