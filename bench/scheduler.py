@@ -58,50 +58,42 @@ JOB_MIX = (
 
 
 def seed_database(db: Any, hosts: int, gpus: int, jobs: int) -> None:
-    from service.models import Job, User, Worker, utcnow
+    """Hosts as their agents register, jobs as the API creates them: through the product's gates."""
+    from service.hosts.states import upsert_worker
+    from service.jobs.states import create_job
+    from service.models import Job, User, utcnow
 
     now = utcnow()
     with db.transaction() as s:
         owner = User(name="bench", token_hash=uuid.uuid4().hex, is_admin=True)
         s.add(owner)
         s.flush()
-        s.add_all(
-            Worker(
+        for i in range(hosts):
+            upsert_worker(
+                s,
                 name=f"host-{i:03d}",
                 address=f"10.0.{i // 250}.{i % 250 + 1}",
                 accelerator="cpu",
                 gpus=gpus,
-                state="online",
-                session=uuid.uuid4().hex,
-                last_heartbeat=now,
-                started_at=now,
+                session_id=uuid.uuid4().hex,
+                now=now,
             )
-            for i in range(hosts)
-        )
         kinds = [k for share, *k in JOB_MIX for _ in range(round(share * 100))]
         for i in range(jobs):
             nodes, per_node, mode = kinds[i % len(kinds)]
-            s.add(
-                Job(
-                    owner_id=owner.id,
-                    name=f"sched-{i}",
-                    state="queued",
-                    mode=mode,
-                    nodes=nodes,
-                    gpus_per_node=per_node,
-                    entrypoint={"kind": "builtin", "model": "cnn", "dataset": "digits"},
-                    hyperparameters={"epochs": 1},
-                    env={},
-                    labels={},
-                    max_retries=0,
-                    priority=1 if i % 10 == 0 else 0,
-                    attempt=1,
-                    last_event_seq=0,
-                    created_at=now - timedelta(seconds=jobs - i),
-                    queued_at=now - timedelta(seconds=jobs - i),
-                    pending_reason="waiting for the scheduler",
-                )
+            job = Job(
+                owner_id=owner.id,
+                name=f"sched-{i}",
+                mode=mode,
+                nodes=nodes,
+                gpus_per_node=per_node,
+                entrypoint={"kind": "builtin", "model": "cnn", "dataset": "digits"},
+                hyperparameters={"epochs": 1},
+                priority=1 if i % 10 == 0 else 0,
+                pending_reason="waiting for the scheduler",
             )
+            create_job(s, job)
+            job.queued_at = now - timedelta(seconds=jobs - i)  # submitted a second apart
 
 
 def keep_fresh(db: Any) -> None:
@@ -119,9 +111,10 @@ def placement_bench(pg_url: str, scratch: Path, args: argparse.Namespace) -> tup
 
     from service.config import Settings
     from service.db import Database
-    from service.models import GpuAllocation, Job, Worker, utcnow
-    from service.scheduler.loop import place, run_pass
-    from service.scheduler.placement import Host, QueuedJob, plan
+    from service.models import GpuAllocation, Job
+    from service.scheduler.loop import place, placement_inputs, run_pass
+    from service.scheduler.placement import plan
+    from service.states import JobState
 
     env = bench_env(scratch, TORCHJOBS_DATABASE_URL=pg_url)
     subprocess.run(harness.torchjobs_cmd("db", "upgrade"), env=env, check=True, capture_output=True, cwd=REPO)
@@ -132,22 +125,10 @@ def placement_bench(pg_url: str, scratch: Path, args: argparse.Namespace) -> tup
         service_rates, floor_rates, placed = [], [], []
         for _ in range(args.runs):
             keep_fresh(db)
-            # the floor: the pure function on the same inputs
+            # the floor: the pure function on the same inputs, read by the product's own query
             with db.read() as s:
-                jobs = s.execute(select(Job).where(Job.state == "queued")).scalars().all()
-                workers = s.execute(select(Worker).where(Worker.state == "online")).scalars().all()
-                now = utcnow()
-                queued = [
-                    QueuedJob(
-                        id=j.id,
-                        priority=j.priority,
-                        nodes=j.nodes,
-                        gpus_per_node=j.gpus_per_node,
-                        waited_s=(now - j.queued_at).total_seconds(),
-                    )
-                    for j in jobs
-                ]
-                hosts = [Host(name=w.name, free=tuple(range(w.gpus))) for w in workers]
+                inputs = placement_inputs(s)
+                queued, hosts = inputs.queued, inputs.hosts
             t0 = time.perf_counter()
             decision = plan(queued, hosts, settings.starvation_s)
             floor_s = time.perf_counter() - t0
@@ -173,7 +154,9 @@ def placement_bench(pg_url: str, scratch: Path, args: argparse.Namespace) -> tup
         steady_pass_s = time.perf_counter() - t0
         with db.read() as s:
             slots = s.execute(select(func.count()).select_from(GpuAllocation)).scalar_one()
-            still = s.execute(select(func.count()).select_from(Job).where(Job.state == "queued")).scalar_one()
+            still = s.execute(
+                select(func.count()).select_from(Job).where(Job.state == JobState.QUEUED)
+            ).scalar_one()
     finally:
         db.dispose()
     setup = f"PostgreSQL, {args.jobs:,} jobs / {args.hosts} hosts"

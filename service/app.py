@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
@@ -27,18 +28,21 @@ from service.config import Settings
 from service.dashboard.router import router as dashboard_router
 from service.db import Database, unavailable_reason
 from service.errors import TorchJobsError
+from service.hosts.router import router as hosts_router
 from service.jobs.router import router as jobs_router
 from service.jobs.view_cache import ViewCache
 from service.jobs.view_feed import ViewFeed
 from service.metrics.router import install as install_metrics
 from service.metrics.router import router as metrics_router
-from service.notify import freed_signal_path, is_redis
 from service.scheduler.loop import Dispatch, SchedulerThread
-from service.scheduler.wakeups import FreedGpuFileWatcher, FreedGpuListener
 from service.schemas import json_safe
+from service.storage import Storage
 from service.streams.router import router as streams_router
+from service.streams.service import Streams
 from service.users.router import router as users_router
-from service.workers.router import router as workers_router
+from service.wakeups.message import is_redis
+from service.wakeups.publish import freed_signal_path
+from service.wakeups.scheduler import FreedGpuFileWatcher, FreedGpuListener
 
 log = logging.getLogger("torchjobs.api")
 UPLOAD_PATHS = ("/v1/checkpoints",)
@@ -52,6 +56,8 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         db = Database(settings)
         app.state.db, app.state.settings = db, settings
+        app.state.session_slots = anyio.CapacityLimiter(db.request_sessions_max)
+        app.state.storage = Storage.from_settings(settings)
         with db.transaction() as session:
             ensure_admin(session, settings)
         log.info(
@@ -70,9 +76,12 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         app.state.view_cache = ViewCache(settings.job_view_cache_ttl_s)
         view_feed = ViewFeed(db, app.state.view_cache)
         await view_feed.start()
+        app.state.streams = Streams(db, settings)
+        await app.state.streams.start()
         try:
             yield
         finally:
+            await app.state.streams.stop()
             await view_feed.stop()
             if listener is not None:
                 listener.stop()
@@ -112,7 +121,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         streams_router,
         checkpoints_router,
         users_router,
-        workers_router,
+        hosts_router,
         metrics_router,
         dashboard_router,
     )
@@ -149,7 +158,7 @@ def _freed_gpu_wakeups(
     return FreedGpuFileWatcher(freed_signal_path(settings), wake)
 
 
-def _celery_dispatcher(settings: Settings):  # type: ignore[no-untyped-def]
+def _celery_dispatcher(settings: Settings) -> Callable[[list[Dispatch]], None]:
     from workers.celery_app import make_celery, send_node
 
     celery = make_celery(settings)

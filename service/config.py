@@ -62,7 +62,7 @@ class Settings(BaseSettings):
     metrics_public: bool = False
     log_json: bool = False
 
-    # Live streams (service.streams, service.notify)
+    # Live streams (service.streams, service.wakeups)
     sse_ping_s: float = 15.0  # ": ping" comment on an idle stream
     stream_poll_s: float = 0.5  # embedded setup (no Redis): one shared check this often
     stream_recheck_s: float = 10.0  # every stream re-reads this often even without a wake-up

@@ -12,21 +12,23 @@ COMMIT round trips and sees exactly what a READ COMMITTED transaction would (eac
 takes its own snapshot either way).
 
 Every session made here publishes, after it commits, which jobs got new events or log chunks
-(`service.notify`): that is how open streams in the API process learn to read again.
+(`service.wakeups`): that is how open streams in the API process learn to read again.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.config import Settings
-from service.notify import install_publisher
+from service.wakeups.publish import install_publisher
 
 READ_ONLY_OPTION = "torchjobs_read_only"
 # Connections per process: POOL_SIZE kept open, up to POOL_OVERFLOW more under load.
@@ -39,7 +41,7 @@ POOL_RESERVED = 4
 
 def _setup_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
@@ -49,7 +51,7 @@ def _setup_sqlite(engine: Engine) -> None:
         cur.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(conn) -> None:  # type: ignore[no-untyped-def]
+    def _on_begin(conn: Connection) -> None:
         read_only = conn.get_execution_options().get(READ_ONLY_OPTION, False)
         conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
@@ -121,3 +123,33 @@ class Database:
         if self.publisher is not None:
             self.publisher.close()
         self.engine.dispose()
+
+
+class KeptConnection:
+    """One database connection kept from one transaction to the next: a running node's.
+
+    A connection taken from the pool is pinged first (on PostgreSQL a round trip of its own);
+    a node stores a batch every half second, for hours, so it keeps one. A transaction that
+    fails drops it, and the next takes a fresh one from the pool: the supervisor keeps
+    whatever could not be stored meanwhile."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.conn: Connection | None = None
+
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        if self.conn is None:
+            self.conn = self.db.engine.connect()
+        try:
+            with self.db.sessionmaker(bind=self.conn) as session, session.begin():
+                yield session
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # a connection already broken
+                conn.close()

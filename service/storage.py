@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
-from typing import IO, TYPE_CHECKING, Any, BinaryIO
+from typing import IO, TYPE_CHECKING, Any
 
 import fsspec
 
@@ -176,7 +176,7 @@ class Storage:
             pass
 
 
-def _copy_hashing(chunks: Iterator[bytes], out: BinaryIO, max_bytes: int | None) -> tuple[int, str]:
+def _copy_hashing(chunks: Iterator[bytes], out: IO[bytes], max_bytes: int | None) -> tuple[int, str]:
     digest, size = hashlib.sha256(), 0
     for chunk in chunks:
         size += len(chunk)

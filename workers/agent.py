@@ -23,9 +23,9 @@ from sqlalchemy.exc import OperationalError
 
 from service.config import Settings
 from service.db import Database, unavailable_reason
+from service.hosts import states as host_states
 from service.models import utcnow
 from service.storage import Storage
-from service.workers import repository as workers_repo
 from workers import context
 from workers.celery_app import make_celery, queue_for
 from workers.context import WorkerContext
@@ -67,7 +67,7 @@ def remove_stale_runs(run_root: Path) -> None:
 
 def register(ctx: WorkerContext) -> None:
     with ctx.db.transaction() as session:
-        workers_repo.upsert_worker(
+        host_states.upsert_worker(
             session,
             name=ctx.name,
             address=ctx.address,
@@ -116,7 +116,7 @@ class Heartbeat(threading.Thread):
         while not self.stopped.wait(self.ctx.settings.heartbeat_interval_s):
             try:
                 with self.ctx.db.transaction() as session:
-                    if not workers_repo.heartbeat(session, self.ctx.name, self.ctx.session_id, utcnow()):
+                    if not host_states.heartbeat(session, self.ctx.name, self.ctx.session_id, utcnow()):
                         log.error("worker %s was taken over by another process", self.ctx.name)
             except OperationalError as exc:  # the database away: one line a beat, no traceback
                 log.warning("heartbeat failed (%s); will retry", unavailable_reason(exc))
@@ -150,8 +150,8 @@ def run_worker(
     announce_isolation(ctx.isolation, settings)
     ctx.rank_base_env = passthrough(os.environ, settings.rank_env_allow)
     if ctx.isolation.sandboxed:  # the Python environment, script roots, a passed PYTHONPATH
-        code = code_folders(settings.script_root_paths, ctx.rank_base_env)
-        ctx.sandbox_read_only = (*sandbox.python_paths(sys.executable), *code)
+        folders = code_folders(settings.script_root_paths, ctx.rank_base_env)
+        ctx.sandbox_read_only = (*sandbox.python_paths(sys.executable), *folders)
     if kind == "cuda":
         ctx.gpu_ids = devices.slot_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), ctx.gpus)
         ctx.host_gpus = devices.nvidia_gpus()
@@ -206,7 +206,7 @@ def run_worker(
         if ctx.agents is not None:
             ctx.agents.close()
         with db.transaction() as session:
-            workers_repo.mark_offline(session, name, ctx.session_id)
+            host_states.mark_offline(session, name, ctx.session_id)
         db.dispose()
     if code:
         raise SystemExit(code)

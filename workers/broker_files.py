@@ -36,7 +36,7 @@ STAGING_PREFIX = ".staging-"  # kombu matches "<stamp>_<uuid>.<queue>.msg"; this
 
 
 class Channel(filesystem.Channel):
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+    def _put(self, queue: Any, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]  # kombu's two bases disagree on the name
         folder = self.data_folder_out
         name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
         staging = os.path.join(folder, f"{STAGING_PREFIX}{uuid.uuid4()}")
@@ -49,7 +49,7 @@ class Channel(filesystem.Channel):
                 os.unlink(staging)
             raise ChannelError(f"Cannot add file {name!r} to directory") from exc
 
-    def _get(self, queue: str) -> Any:
+    def _get(self, queue: Any, timeout: Any = None) -> Any:
         while True:  # kombu has removed the file before parsing it: a bad one is simply skipped
             try:
                 payload = super()._get(queue)

@@ -5,29 +5,22 @@ from __future__ import annotations
 import logging
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import select
-
+from service.checkpoints.recording import store_rank_checkpoint
+from service.db import KeptConnection
 from service.errors import InvalidSpec
-from service.jobs.lifecycle import NodeOutcome, claim_node, runs_of
+from service.jobs import reports
+from service.jobs.lifecycle import Claimed, claim_for_launch, record_end
+from service.jobs.node_reports import NodeKey, NodeOutcome
 from service.jobs.validation import resolve_script
-from service.models import Checkpoint
-from workers import reporter
+from service.states import NodeState
 from workers.context import WorkerContext
 from workers.launcher.command import NodeLaunch, build_launch
 from workers.launcher.devices import device_files
 from workers.launcher.supervisor import Hooks, NodeSupervisor
-from workers.reporter import NodeKey
 
 log = logging.getLogger("torchjobs.worker")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Claimed:
-    launch_fields: dict[str, object]
-    resume: tuple[int, str, str] | None  # (checkpoint id, storage key, sha256)
 
 
 def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> str:
@@ -40,7 +33,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         return "skipped"
     run_dir = ctx.run_root / f"job-{job_id}" / f"attempt-{attempt}" / f"node-{node_rank}"
     supervisor = None
-    node_db = reporter.NodeConnection(ctx.db)
+    node_db = KeptConnection(ctx.db)
     try:
         launch = _launch(ctx, key, claimed, run_dir)
         supervisor = NodeSupervisor(
@@ -49,11 +42,9 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             mode=launch.mode,
             gpus=len(launch.gpus),
             hooks=Hooks(
-                write_batch=lambda b: reporter.write_batch(node_db, key, b),
-                record_checkpoint=lambda p, m, v: reporter.record_checkpoint(
-                    ctx.db, ctx.storage, key, p, m, v
-                ),
-                job_control=lambda: reporter.job_control(ctx.db, job_id),
+                write_batch=lambda b: reports.write_batch(node_db, key, b),
+                record_checkpoint=lambda p, m, v: store_rank_checkpoint(ctx.db, ctx.storage, key, p, m, v),
+                job_control=lambda: reports.job_control(ctx.db, job_id),
             ),
             grace_s=ctx.settings.cancel_grace_s,
             shutdown=ctx.shutdown,
@@ -62,15 +53,17 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         )
         outcome = supervisor.run()
     except InvalidSpec as exc:
-        outcome = NodeOutcome(state="failed", error=f"node {node_rank}: {exc.detail[0]['msg']}")
+        outcome = NodeOutcome(state=NodeState.FAILED, error=f"node {node_rank}: {exc.detail[0]['msg']}")
     except _ResumeError as exc:
-        outcome = NodeOutcome(state="failed", error=f"node {node_rank}: {exc}")
+        outcome = NodeOutcome(state=NodeState.FAILED, error=f"node {node_rank}: {exc}")
     except Exception as exc:  # the node must always report, whatever broke
         log.exception("job %s node %s crashed in the supervisor", job_id, node_rank)
-        outcome = NodeOutcome(state="failed", error=f"node {node_rank}: worker error: {exc}", retryable=True)
+        outcome = NodeOutcome(
+            state=NodeState.FAILED, error=f"node {node_rank}: worker error: {exc}", retryable=True
+        )
     finally:
         node_db.close()
-    reporter.record_end(ctx.db, key, outcome)
+    record_end(ctx.db, key, outcome)
     if supervisor is not None:
         supervisor.cleanup()
     log.info("job %s attempt %s node %s ended: %s", job_id, attempt, node_rank, outcome.state)
@@ -79,39 +72,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
 
 def _claim(ctx: WorkerContext, key: NodeKey) -> Claimed | None:
     with ctx.db.transaction() as session:
-        job = claim_node(session, key.job_id, key.attempt, key.node_rank, ctx.session_id)
-        if job is None:
-            return None
-        runs = {r.node_rank: r for r in runs_of(session, job.id, key.attempt)}
-        latest = session.execute(
-            select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.id.desc()).limit(1)
-        ).scalar_one_or_none()
-        if latest is None and job.resume_checkpoint_id is not None:
-            latest = session.get(Checkpoint, job.resume_checkpoint_id)
-        fields = dict(
-            job_id=job.id,
-            attempt=key.attempt,
-            node_rank=key.node_rank,
-            nnodes=job.nodes,
-            mode=job.mode,
-            gpus=tuple(runs[key.node_rank].gpus),
-            master_addr=runs[0].address,
-            master_port=job.master_port,
-            entrypoint=job.entrypoint,
-            hyperparameters=job.hyperparameters,
-            user_env=dict(job.env or {}),
-        )
-        resume = (latest.id, latest.storage_key, latest.sha256) if latest else None
-        if latest is not None and key.node_rank == 0:
-            job.progress = resumed_progress(job.progress, latest)
-        return Claimed(launch_fields=fields, resume=resume)
-
-
-def resumed_progress(progress: dict | None, ckpt: Checkpoint) -> dict:
-    """A resumed job counts what its checkpoint completed until it completes more (contract §2)."""
-    if ckpt.epoch is None:
-        return dict(progress or {})
-    return {**(progress or {}), "epoch": ckpt.epoch, "step": ckpt.step}
+        return claim_for_launch(session, key, ctx.session_id)
 
 
 class _ResumeError(Exception):
@@ -133,7 +94,7 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
     device_ids = tuple(ctx.gpu_ids[g] for g in gpus) if ctx.gpu_ids else ()
     cuda_sandbox = ctx.isolation.sandboxed and ctx.accelerator == "cuda"
     return NodeLaunch(
-        **fields,  # type: ignore[arg-type]
+        **fields,
         master_addr=master_addr,
         accelerator=ctx.accelerator,
         script_path=script,

@@ -54,11 +54,8 @@ async def get_settings(request: Request) -> Settings:
 
 
 def get_storage(request: Request) -> Storage:
-    """One Storage per app, built from its settings on first use."""
-    state = request.app.state
-    storage = getattr(state, "storage", None)
-    if storage is None:
-        storage = state.storage = Storage.from_settings(state.settings)
+    """One Storage per app, built by the app's lifespan."""
+    storage: Storage = request.app.state.storage
     return storage
 
 
@@ -72,7 +69,7 @@ async def get_session(request: Request, db: Annotated[Database, Depends(get_db)]
     clients on GET /v1/jobs/{id}, 80 answers, then none until the pool's timeout). So a
     request first takes one of `request_sessions_max` slots, on the event loop, holding
     nothing; with a slot, a connection is always free."""
-    slots = _session_slots(request, db)
+    slots: anyio.CapacityLimiter = request.app.state.session_slots  # made by the app's lifespan
     borrower = object()
     await slots.acquire_on_behalf_of(borrower)
     try:
@@ -88,14 +85,6 @@ async def get_session(request: Request, db: Annotated[Database, Depends(get_db)]
                 await run_in_threadpool(_end_session, session, committed)
     finally:
         slots.release_on_behalf_of(borrower)
-
-
-def _session_slots(request: Request, db: Database) -> anyio.CapacityLimiter:
-    """One limiter per application, made on first use inside its event loop (anyio needs one)."""
-    slots = getattr(request.app.state, "session_slots", None)
-    if slots is None:
-        slots = request.app.state.session_slots = anyio.CapacityLimiter(db.request_sessions_max)
-    return slots
 
 
 def _end_session(session: Session, commit: bool) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
-from sqlalchemy import delete, exists, select
+from sqlalchemy import CursorResult, delete, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -71,4 +72,4 @@ def delete_unreferenced(session: Session, ckpt: Checkpoint) -> bool:
             )
     except IntegrityError:  # a job referencing it committed between our check and the delete
         return False
-    return bool(gone.rowcount)
+    return bool(cast(CursorResult[Any], gone).rowcount)

@@ -25,6 +25,7 @@ import anyio.to_thread
 from sqlalchemy.orm import Session
 
 from service.checkpoints import repository as repo
+from service.checkpoints.recording import record_checkpoint
 from service.checkpoints.upload_check import UploadRefused, check_upload
 from service.config import Settings
 from service.db import Database
@@ -272,7 +273,7 @@ def _validation_slots() -> anyio.CapacityLimiter:
 
 def _record(db: Database, ckpt: Checkpoint) -> Checkpoint:
     with db.transaction() as session:
-        return repo.add(session, ckpt)
+        return record_checkpoint(session, ckpt)
 
 
 async def _receive(chunks: AsyncIterator[bytes], path: Path, limit: int) -> tuple[int, str]:
@@ -307,30 +308,3 @@ def _write(fh: Any, digest: Any, data: bytearray, last: bool = False) -> None:
 
 def _key_part(name: str) -> str:
     return _UNSAFE_KEY_CHARS.sub("_", name)[-100:].lstrip(".") or "checkpoint"
-
-
-# -- retention -----------------------------------------------------------------------------
-
-
-def enforce_retention(db: Database, storage: Storage, job_id: int, keep_last: int) -> list[int]:
-    """Keep a job's newest `keep_last` checkpoints (0 keeps all) and whatever is still needed
-    (see `repository.retention_candidates`); delete the rest. Returns the deleted ids.
-
-    Rows go first, in one transaction; their files only after it commits, so a failure leaves
-    at worst an unreferenced file, never a record whose bytes are gone.
-    """
-    if keep_last <= 0:
-        return []
-    deleted: list[tuple[int, str]] = []
-    with db.transaction() as session:
-        for ckpt in repo.retention_candidates(session, job_id, keep_last):
-            if repo.delete_unreferenced(session, ckpt):
-                deleted.append((ckpt.id, ckpt.storage_key))
-    for ckpt_id, key in deleted:
-        try:
-            storage.delete(key)
-        except Exception:  # the row is gone; a stray file is only wasted space
-            log.exception("retention: could not delete %s of checkpoint %s", key, ckpt_id)
-    if deleted:
-        log.info("job %s: retention removed checkpoints %s", job_id, [i for i, _ in deleted])
-    return [i for i, _ in deleted]

@@ -7,8 +7,8 @@ from typing import Annotated
 import httpx
 import typer
 
-from service.cli import client_cmds
 from service.cli.processes import run_db_upgrade, run_server, run_up, run_worker_cmd
+from service.client import commands as client_cmds
 
 app = typer.Typer(
     help="torchjobs: a small, sharp PyTorch training-job service.",

@@ -22,7 +22,7 @@ from service.jobs import service
 from service.jobs.states import QUEUED
 from service.jobs.view_cache import CachedCaller, CachedView, ViewCache
 
-Read = tuple[CachedCaller, CachedView | None]
+Read = tuple[CachedCaller | None, CachedView | None]
 
 
 async def job_view_json(
@@ -38,7 +38,8 @@ async def job_view_json(
         return cached.body
     generation, read = _shared_read(db, cache, creds, token_hash, job_id)
     caller, view = await asyncio.shield(read)
-    cache.store_caller(token_hash, caller, generation)
+    if caller is not None:
+        cache.store_caller(token_hash, caller, generation)
     if view is None:
         raise NotFound("job")
     cache.store_view(job_id, view, generation)

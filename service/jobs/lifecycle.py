@@ -1,4 +1,4 @@
-"""How a placed attempt's nodes move the job: start, finish, fail, get lost, get retried.
+"""How a placed attempt's nodes move the job: claimed, started, finished, failed, lost, retried.
 
 Called by the workers (inside one transaction per step) and by the scheduler's reaper. Every
 function re-reads the job under a lock and checks the attempt number, so a late or repeated
@@ -7,13 +7,20 @@ report from an attempt that is already over changes nothing.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from service.db import Database
+from service.jobs.node_reports import END_WRITE_PATIENCE_S, NodeKey, NodeOutcome
 from service.jobs.states import (
+    ACTIVE,
     CANCELLED,
     CANCELLING,
     FAILED,
@@ -23,18 +30,20 @@ from service.jobs.states import (
     SUCCEEDED,
     lock_job,
     transition_job,
+    transition_node,
 )
-from service.models import Job, JobAttempt, NodeRun, utcnow
+from service.models import Checkpoint, Job, JobAttempt, NodeRun, utcnow
+from service.states import NODE_ACTIVE, NodeState
 
-NODE_ACTIVE = ("pending", "running")
+log = logging.getLogger("torchjobs.worker")
 
 
 @dataclass(frozen=True, kw_only=True)
-class NodeOutcome:
-    state: str  # succeeded | failed | cancelled | lost
-    exit_code: int | None = None
-    error: str | None = None
-    retryable: bool = False
+class Claimed:
+    """What a worker needs to launch the node it claimed, read in the claim's transaction."""
+
+    launch_fields: dict[str, Any]
+    resume: tuple[int, str, str] | None  # (checkpoint id, storage key, sha256)
 
 
 def runs_of(session: Session, job_id: int, attempt: int) -> Sequence[NodeRun]:
@@ -57,12 +66,12 @@ def claim_node(
     if job is None or job.attempt != attempt:
         return None
     run = _run(session, job_id, attempt, node_rank)
-    if run is None or run.state != "pending":
+    if run is None or run.state != NodeState.PENDING:
         return None
     if job.state not in (SCHEDULED, RUNNING):
-        finish_node(session, job_id, attempt, node_rank, NodeOutcome(state="cancelled"))
+        finish_node(session, job_id, attempt, node_rank, NodeOutcome(state=NodeState.CANCELLED))
         return None
-    run.state, run.started_at, run.worker_session = "running", utcnow(), worker_session
+    transition_node(run, NodeState.RUNNING, worker_session=worker_session)
     if job.state == SCHEDULED:
         transition_job(session, job, RUNNING, f"node {node_rank} started")
         _attempt_row(session, job).started_at = utcnow()
@@ -74,19 +83,13 @@ def finish_node(session: Session, job_id: int, attempt: int, node_rank: int, out
     run = _run(session, job_id, attempt, node_rank)
     if job is None or run is None:
         return
-    if run.state in NODE_ACTIVE:
-        run.state, run.exit_code, run.error, run.finished_at = (
-            outcome.state,
-            outcome.exit_code,
-            outcome.error,
-            utcnow(),
-        )
+    transition_node(run, outcome.state, exit_code=outcome.exit_code, error=outcome.error)
     if job.attempt != attempt:
         return
     if job.state == CANCELLING:
         _finish_cancel_if_quiet(session, job)
     elif job.state in (SCHEDULED, RUNNING):
-        if outcome.state == "succeeded":
+        if outcome.state == NodeState.SUCCEEDED:
             _succeed_if_all_done(session, job)
         else:
             end_attempt(session, job, outcome.exit_code, outcome.error or outcome.state, outcome.retryable)
@@ -96,8 +99,7 @@ def end_attempt(session: Session, job: Job, exit_code: int | None, error: str, r
     """The attempt failed: retry it from the latest checkpoint when allowed, else fail the job."""
     job.exit_code, job.error = exit_code, error
     for run in runs_of(session, job.id, job.attempt):
-        if run.state in NODE_ACTIVE:
-            run.state, run.finished_at = "lost", utcnow()
+        transition_node(run, NodeState.LOST)
     if retryable and job.attempt <= job.max_retries:
         transition_job(session, job, QUEUED, f"retrying after: {_summary(exit_code, error)}")
         job.attempt += 1
@@ -109,8 +111,8 @@ def end_attempt(session: Session, job: Job, exit_code: int | None, error: str, r
 def cancel_pending_nodes(session: Session, job: Job) -> None:
     """Nodes that never started cannot confirm anything: count them as gone."""
     for run in runs_of(session, job.id, job.attempt):
-        if run.state == "pending":
-            run.state, run.finished_at = "cancelled", utcnow()
+        if run.state == NodeState.PENDING:
+            transition_node(run, NodeState.CANCELLED)
     _finish_cancel_if_quiet(session, job)
 
 
@@ -121,7 +123,7 @@ def _finish_cancel_if_quiet(session: Session, job: Job) -> None:
 
 def _succeed_if_all_done(session: Session, job: Job) -> None:
     runs = runs_of(session, job.id, job.attempt)
-    if runs and all(r.state == "succeeded" for r in runs):
+    if runs and all(r.state == NodeState.SUCCEEDED for r in runs):
         job.exit_code, job.error = 0, None
         transition_job(session, job, SUCCEEDED, "all nodes exited 0")
 
@@ -154,3 +156,71 @@ def _summary(exit_code: int | None, error: str) -> str:
     if len(lines) == 1 and len(lines[0]) <= 300:
         return lines[0]
     return f"exit code {exit_code}" if exit_code is not None else (lines[-1] if lines else error)[:300]
+
+
+def lose_node(session: Session, run: NodeRun, reason: str) -> None:
+    """The reaper's verdict on one node: its worker is gone, or it never started in time."""
+    job = lock_job(session, run.job_id)
+    if job is None:
+        return
+    if job.attempt != run.attempt or job.state not in ACTIVE:
+        transition_node(run, NodeState.LOST)
+        return
+    transition_node(run, NodeState.LOST, error=reason)
+    if job.state == CANCELLING:
+        cancel_pending_nodes(session, job)
+        return
+    detail = f"{reason}: node {run.node_rank} on worker {run.worker_name}"
+    end_attempt(session, job, None, detail, retryable=True)
+
+
+def claim_for_launch(session: Session, key: NodeKey, worker_session: str) -> Claimed | None:
+    """Claim the node and read what launching it takes; None when it must not run."""
+    job = claim_node(session, key.job_id, key.attempt, key.node_rank, worker_session)
+    if job is None:
+        return None
+    runs = {r.node_rank: r for r in runs_of(session, job.id, key.attempt)}
+    latest = session.execute(
+        select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.id.desc()).limit(1)
+    ).scalar_one_or_none()
+    if latest is None and job.resume_checkpoint_id is not None:
+        latest = session.get(Checkpoint, job.resume_checkpoint_id)
+    fields = dict(
+        job_id=job.id,
+        attempt=key.attempt,
+        node_rank=key.node_rank,
+        nnodes=job.nodes,
+        mode=job.mode,
+        gpus=tuple(runs[key.node_rank].gpus),
+        master_addr=runs[0].address,
+        master_port=job.master_port,
+        entrypoint=job.entrypoint,
+        hyperparameters=job.hyperparameters,
+        user_env=dict(job.env or {}),
+    )
+    resume = (latest.id, latest.storage_key, latest.sha256) if latest else None
+    if latest is not None and key.node_rank == 0:
+        job.progress = resumed_progress(job.progress, latest)
+    return Claimed(launch_fields=fields, resume=resume)
+
+
+def resumed_progress(progress: dict[str, Any] | None, ckpt: Checkpoint) -> dict[str, Any]:
+    """A resumed job counts what its checkpoint completed until it completes more (contract §2)."""
+    if ckpt.epoch is None:
+        return dict(progress or {})
+    return {**(progress or {}), "epoch": ckpt.epoch, "step": ckpt.step}
+
+
+@retry(
+    retry=retry_if_exception_type(DBAPIError),
+    wait=wait_exponential(multiplier=0.2, max=10),
+    stop=stop_after_delay(END_WRITE_PATIENCE_S),
+    before_sleep=before_sleep_log(log, logging.WARNING),
+    reraise=True,
+)
+def record_end(db: Database, key: NodeKey, outcome: NodeOutcome) -> None:
+    """The node's end, retried while the database is away (restarting, locked, unreachable):
+    if it were dropped the job would stay `running` on a live worker that no longer runs it.
+    Idempotent: a node already ended keeps its first outcome."""
+    with db.transaction() as session:
+        finish_node(session, key.job_id, key.attempt, key.node_rank, outcome)

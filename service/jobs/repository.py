@@ -8,6 +8,7 @@ from sqlalchemy import and_, bindparam, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.models import Checkpoint, Job, JobAttempt, JobEvent, NodeRun, User
+from service.states import JobState
 
 # The statements of the job view (GET /v1/jobs/{id}, the busiest route) are built once, with
 # bind parameters: building a select() per request cost more than compiling it (SQLAlchemy
@@ -90,7 +91,7 @@ def queue_positions(session: Session, jobs: Sequence[Job]) -> dict[int, int]:
 
     One job: a count over the (state, priority, id) index. Several: one pass of a window
     function over the queue, instead of one count per job on the page."""
-    queued = [j for j in jobs if j.state == "queued"]
+    queued = [j for j in jobs if j.state == JobState.QUEUED]
     if not queued:
         return {}
     if len(queued) == 1:
@@ -99,14 +100,14 @@ def queue_positions(session: Session, jobs: Sequence[Job]) -> dict[int, int]:
             select(func.count())
             .select_from(Job)
             .where(
-                Job.state == "queued",
+                Job.state == JobState.QUEUED,
                 or_(Job.priority > job.priority, and_(Job.priority == job.priority, Job.id < job.id)),
             )
         ).scalar_one()
         return {job.id: int(ahead) + 1}
     ranked = (
         select(Job.id, func.row_number().over(order_by=(Job.priority.desc(), Job.id)).label("position"))
-        .where(Job.state == "queued")
+        .where(Job.state == JobState.QUEUED)
         .subquery()
     )
     rows = session.execute(

@@ -27,10 +27,19 @@ from service.jobs.schemas import (
     Progress,
 )
 from service.jobs.spec import JobSpec
-from service.jobs.states import ALL_STATES, CANCELLED, CANCELLING, QUEUED, TERMINAL, transition_job
+from service.jobs.states import (
+    ALL_STATES,
+    CANCELLED,
+    CANCELLING,
+    QUEUED,
+    TERMINAL,
+    create_job,
+    transition_job,
+)
 from service.jobs.validation import validate_in_context
 from service.models import Checkpoint, Job, User
 from service.schemas import MAX_ID, checkpoint_out
+from service.states import JobState
 from service.storage import Storage
 
 
@@ -52,7 +61,6 @@ def submit_job(
     job = Job(
         owner_id=user.id,
         name=spec.name,
-        state=QUEUED,
         mode=spec.mode,
         nodes=spec.nodes,
         gpus_per_node=spec.gpus_per_node,
@@ -70,23 +78,18 @@ def submit_job(
         pending_reason="waiting for the scheduler",
     )
     if idempotency_key is None:
-        session.add(job)
-        session.flush()
+        create_job(session, job)
     else:
         try:
             # A SAVEPOINT (two round trips) only where a duplicate key is a normal outcome: a
             # concurrent request with the same key won the race, and its job is the answer.
             with session.begin_nested():
-                session.add(job)
-                session.flush()
+                create_job(session, job)
         except IntegrityError:
             existing = repo.get_by_idempotency_key(session, user.id, idempotency_key)
             if existing is None:
                 raise
             return existing, False
-    from service.jobs.states import append_event
-
-    append_event(session, job.id, "state", {"state": QUEUED, "reason": "submitted"})
     return job, True
 
 
@@ -166,7 +169,7 @@ def progress_of(job: Job) -> Progress:
         fraction = min(1.0, step / total)
     elif data.get("epochs") and data.get("epoch") is not None:
         fraction = min(1.0, data["epoch"] / data["epochs"])
-    if job.state == "succeeded":
+    if job.state == JobState.SUCCEEDED:
         fraction = 1.0
     return Progress(**{k: data.get(k) for k in PROGRESS_FIELDS}, fraction=fraction)
 

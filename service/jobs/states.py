@@ -1,9 +1,11 @@
-"""The one gate for job state (Prefect's orchestration habit, made small).
+"""The one gate for job and node-run state (Prefect's orchestration habit, made small).
 
-`TRANSITIONS` is the whole state machine of contract §2. `transition_job()` is the only code
-that writes `Job.state`: it checks the move, stamps the times, frees the job's GPUs when it
-leaves them behind, and appends the `state` event in the same transaction — the API, the
-scheduler, the workers and the tests all go through it.
+The state machines themselves (names and allowed moves) are in `service.states`. Here are
+their only writers: `create_job()` and `transition_job()` write `Job.state`: they check the
+move, stamp the times, free the job's GPUs when it leaves them behind, and append the `state`
+event in the same transaction. `transition_node()` writes `NodeRun.state`, and a node's first
+end wins. The API, the scheduler, the workers and the tests all go through them;
+tests/test_state_gates.py fails when another module writes a `state` column.
 """
 
 from __future__ import annotations
@@ -14,29 +16,31 @@ from sqlalchemy import Row, delete, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import Conflict
-from service.models import GpuAllocation, Job, JobAttempt, JobEvent, utcnow
-from service.notify import mark_freed
+from service.models import GpuAllocation, Job, JobAttempt, JobEvent, NodeRun, utcnow
+from service.states import (
+    JOB_ACTIVE,
+    JOB_TERMINAL,
+    JOB_TRANSITIONS,
+    JobState,
+    NodeState,
+    job_may_move,
+    node_may_move,
+)
+from service.wakeups.message import mark_events, mark_freed
 
-QUEUED, SCHEDULED, RUNNING = "queued", "scheduled", "running"
-SUCCEEDED, FAILED, CANCELLING, CANCELLED = "succeeded", "failed", "cancelling", "cancelled"
-
-TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
-ACTIVE = frozenset({SCHEDULED, RUNNING, CANCELLING})
-ALL_STATES = (QUEUED, SCHEDULED, RUNNING, SUCCEEDED, FAILED, CANCELLING, CANCELLED)
-
-TRANSITIONS: dict[str, frozenset[str]] = {
-    QUEUED: frozenset({SCHEDULED, CANCELLING, CANCELLED, FAILED}),
-    SCHEDULED: frozenset({RUNNING, QUEUED, FAILED, SUCCEEDED, CANCELLING}),
-    RUNNING: frozenset({SUCCEEDED, FAILED, QUEUED, CANCELLING}),
-    CANCELLING: frozenset({CANCELLED}),
-    SUCCEEDED: frozenset(),
-    FAILED: frozenset(),
-    CANCELLED: frozenset(),
-}
+QUEUED, SCHEDULED, RUNNING = JobState.QUEUED, JobState.SCHEDULED, JobState.RUNNING
+SUCCEEDED, FAILED, CANCELLING, CANCELLED = (
+    JobState.SUCCEEDED,
+    JobState.FAILED,
+    JobState.CANCELLING,
+    JobState.CANCELLED,
+)
+TERMINAL, ACTIVE, TRANSITIONS = JOB_TERMINAL, JOB_ACTIVE, JOB_TRANSITIONS
+ALL_STATES = tuple(JobState)
 
 
 def can_transition(current: str, new: str) -> bool:
-    return new in TRANSITIONS.get(current, frozenset())
+    return job_may_move(current, new)
 
 
 def lock_job(session: Session, job_id: int) -> Job | None:
@@ -96,14 +100,25 @@ def _add_events(
     ]
     session.add_all(events)
     session.flush()
-    session.info.setdefault("notify_jobs", set()).add(job_id)
+    mark_events(session, job_id)
     return events
+
+
+def create_job(session: Session, job: Job, reason: str = "submitted") -> JobEvent:
+    """A new job enters the machine queued, with its first `state` event."""
+    now = utcnow()
+    job.state = JobState.QUEUED.value
+    job.created_at = job.queued_at = now
+    session.add(job)
+    session.flush()
+    return append_event(session, job.id, "state", {"state": job.state, "reason": reason})
 
 
 def transition_job(session: Session, job: Job, new_state: str, reason: str | None = None) -> JobEvent:
     if not can_transition(job.state, new_state):
         raise Conflict(f"job {job.id} cannot go from {job.state} to {new_state}")
     now = utcnow()
+    new_state = JobState(new_state).value
     job.state = new_state
     if new_state == RUNNING and job.started_at is None:
         job.started_at = now
@@ -133,3 +148,24 @@ def _close_attempt(session: Session, job: Job, reason: str | None) -> None:
         attempt.finished_at = utcnow()
         attempt.exit_code = job.exit_code
         attempt.reason = reason or job.state
+
+
+def transition_node(
+    run: NodeRun,
+    new_state: NodeState,
+    *,
+    exit_code: int | None = None,
+    error: str | None = None,
+    worker_session: str | None = None,
+) -> bool:
+    """Move one node run; False, changing nothing, when the move is not allowed: a node that
+    has ended keeps its first end, whoever reports later (a retried report, the reaper)."""
+    if not node_may_move(run.state, new_state):
+        return False
+    now = utcnow()
+    run.state = NodeState(new_state).value
+    if run.state == NodeState.RUNNING:
+        run.started_at, run.worker_session = now, worker_session
+    else:
+        run.exit_code, run.error, run.finished_at = exit_code, error, now
+    return True

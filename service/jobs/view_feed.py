@@ -42,7 +42,12 @@ WROTE = "view_cache_wrote"
 RECONNECT_MAX_S = 5.0
 # Dead-peer detection for the LISTEN connection (libpq options): a host that vanishes
 # without closing the socket is noticed in about 11 s, and entries expire meanwhile anyway.
-KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
+KEEPALIVES: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+}
 
 
 def apply_notification(cache: ViewCache, payload: str) -> None:

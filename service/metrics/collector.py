@@ -16,10 +16,11 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from service.db import Database
+from service.hosts import service as hosts_service
 from service.jobs.states import ALL_STATES
 from service.jobs.view_cache import ViewCache
 from service.metrics import repository as repo
-from service.workers import service as workers_service
+from service.states import WorkerState
 
 # Seconds a job waits in the queue: from "a free slot was there" to "a cluster was busy for hours".
 QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
@@ -43,7 +44,7 @@ class DatabaseCollector(Collector):
             waits = repo.queue_waits(session)
             oldest = repo.oldest_queued_since(session)
             used = repo.gpus_used_by_worker(session)
-            workers = workers_service.list_workers(session, None).items
+            workers = hosts_service.list_workers(session, None).items
         now = self._clock()
 
         jobs = GaugeMetricFamily("torchjobs_jobs", "Jobs in each state.", labels=["state"])
@@ -80,7 +81,7 @@ class DatabaseCollector(Collector):
             total.add_metric([w.name], w.gpus)
             busy.add_metric([w.name], used.get(w.name, 0))
             free.add_metric([w.name], w.gpus_free)
-            online.add_metric([w.name], 1 if w.state == "online" else 0)
+            online.add_metric([w.name], 1 if w.state == WorkerState.ONLINE else 0)
         yield from (total, busy, free, online)
 
 

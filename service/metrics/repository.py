@@ -33,7 +33,7 @@ def queue_waits(session: Session) -> Sequence[tuple[datetime, datetime]]:
         )
         .where(JobAttempt.started_at.is_not(None))
     ).all()
-    return [(queued, started) for queued, started in rows]
+    return [(queued, started) for queued, started in rows if started is not None]
 
 
 def oldest_queued_since(session: Session) -> datetime | None:

@@ -13,23 +13,25 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select, text, update
+from sqlalchemy import Row, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db import Database
-from service.jobs.lifecycle import NODE_ACTIVE, cancel_pending_nodes, end_attempt, open_attempt, runs_of
+from service.hosts import repository as hosts_repo
+from service.hosts.states import take_offline
+from service.jobs.lifecycle import cancel_pending_nodes, lose_node, open_attempt, runs_of
 from service.jobs.states import ACTIVE, CANCELLING, QUEUED, SCHEDULED, lock_job, transition_job
 from service.models import GpuAllocation, Job, NodeRun, User, Worker, utcnow
 from service.scheduler.outages import DatabaseOutages
 from service.scheduler.placement import Host, QueuedJob, plan
-from service.workers import repository as workers_repo
+from service.states import NODE_ACTIVE, NodeState, WorkerState
 
 log = logging.getLogger("torchjobs.scheduler")
 ADVISORY_KEY = 0x746A6F6273  # "tjobs"
@@ -89,7 +91,7 @@ def undelivered(session: Session, settings: Settings) -> list[Dispatch]:
     """
     cutoff = utcnow() - timedelta(seconds=settings.redispatch_after_s)
     runs = session.execute(
-        select(NodeRun).where(NodeRun.state == "pending", NodeRun.created_at < cutoff)
+        select(NodeRun).where(NodeRun.state == NodeState.PENDING, NodeRun.created_at < cutoff)
     ).scalars()
     return [
         Dispatch(job_id=r.job_id, attempt=r.attempt, node_rank=r.node_rank, worker=r.worker_name)
@@ -120,43 +122,40 @@ def reap(session: Session, settings: Settings, judge_silence: bool = True) -> No
     taken offline, and no node is late, for a silence that was the database's own."""
     now = utcnow()
     cutoff = now - timedelta(seconds=settings.heartbeat_timeout_s)
-    for worker in workers_repo.stale_online(session, cutoff) if judge_silence else ():
-        worker.state = "offline"
-        log.warning("worker %s missed its heartbeats: offline", worker.name)
+    for worker in hosts_repo.stale_online(session, cutoff) if judge_silence else ():
+        if take_offline(worker):
+            log.warning("worker %s missed its heartbeats: offline", worker.name)
     sessions = {w.name: (w.state, w.session) for w in session.execute(select(Worker)).scalars()}
     runs = session.execute(select(NodeRun).where(NodeRun.state.in_(NODE_ACTIVE))).scalars().all()
     for run in runs:
-        state, current = sessions.get(run.worker_name, ("offline", None))
-        gone = state == "offline" or (run.state == "running" and run.worker_session != current)
+        state, current = sessions.get(run.worker_name, (WorkerState.OFFLINE, None))
+        gone = state == WorkerState.OFFLINE or (
+            run.state == NodeState.RUNNING and run.worker_session != current
+        )
         late = (
             judge_silence
-            and run.state == "pending"
+            and run.state == NodeState.PENDING
             and (now - run.created_at).total_seconds() > settings.rendezvous_timeout_s
         )
         if gone or late:
-            _lose_node(session, run, "worker lost" if gone else f"node {run.node_rank} did not start in time")
+            lose_node(session, run, "worker lost" if gone else f"node {run.node_rank} did not start in time")
     for job in session.execute(select(Job).where(Job.state == CANCELLING)).scalars().all():
-        if all(r.state != "running" for r in runs_of(session, job.id, job.attempt)):
+        if all(r.state != NodeState.RUNNING for r in runs_of(session, job.id, job.attempt)):
             cancel_pending_nodes(session, job)
 
 
-def _lose_node(session: Session, run: NodeRun, reason: str) -> None:
-    job = lock_job(session, run.job_id)
-    if job is None:
-        return
-    if job.attempt != run.attempt or job.state not in ACTIVE:
-        run.state, run.finished_at = "lost", utcnow()
-        return
-    run.state, run.finished_at, run.error = "lost", utcnow(), reason
-    if job.state == CANCELLING:
-        cancel_pending_nodes(session, job)
-        return
-    detail = f"{reason}: node {run.node_rank} on worker {run.worker_name}"
-    end_attempt(session, job, None, detail, retryable=True)
+@dataclass(frozen=True)
+class PlacementInputs:
+    """What one pass plans over: the queue's few columns, and the online hosts' free slots."""
+
+    rows: Sequence[Row[Any]] | Sequence[Any]
+    queued: list[QueuedJob]
+    hosts: list[Host]
+    workers: dict[str, Worker]
 
 
-def place(session: Session, settings: Settings) -> list[Dispatch]:
-    """Plan over the queue's few columns; load and lock whole rows only for the jobs placed."""
+def placement_inputs(session: Session) -> PlacementInputs:
+    """Queued rows are locked (SKIP LOCKED on PostgreSQL): another scheduler plans around them."""
     query = (
         select(
             Job.id,
@@ -176,9 +175,10 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
         query = query.with_for_update(skip_locked=True, of=Job)
     rows = session.execute(query).all()
     if not rows:
-        return []
-    workers = {w.name: w for w in session.execute(select(Worker).where(Worker.state == "online")).scalars()}
-    used = workers_repo.used_slots(session)
+        return PlacementInputs(rows, [], [], {})
+    online = select(Worker).where(Worker.state == WorkerState.ONLINE)
+    workers = {w.name: w for w in session.execute(online).scalars()}
+    used = hosts_repo.used_slots(session)
     hosts = [
         Host(
             name=n,
@@ -199,6 +199,15 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
         )
         for r in rows
     ]
+    return PlacementInputs(rows, queued, hosts, workers)
+
+
+def place(session: Session, settings: Settings) -> list[Dispatch]:
+    """Plan over the queue's few columns; load and lock whole rows only for the jobs placed."""
+    inputs = placement_inputs(session)
+    if not inputs.rows:
+        return []
+    rows, queued, hosts, workers = inputs.rows, inputs.queued, inputs.hosts, inputs.workers
     decision = plan(queued, hosts, settings.starvation_s)
     _write_pending_reasons(session, rows, decision.pending_reasons, bool(workers))
     sent: list[Dispatch] = []
@@ -253,7 +262,8 @@ def _ports_in_use(session: Session) -> dict[str, set[int]]:
     ).all()
     busy: dict[str, set[int]] = {}
     for worker, port in rows:
-        busy.setdefault(worker, set()).add(port)
+        if port is not None:  # (the query asks for none)
+            busy.setdefault(worker, set()).add(port)
     return busy
 
 
@@ -308,7 +318,7 @@ def has_waiting_work(db: Database) -> bool:
     and not yet claimed (to re-send). A submit or freed GPUs wake the scheduler anyway."""
     with db.read() as session:
         job = session.execute(select(Job.id).where(Job.state.in_((QUEUED, CANCELLING))).limit(1)).first()
-        node = session.execute(select(NodeRun.id).where(NodeRun.state == "pending").limit(1)).first()
+        node = session.execute(select(NodeRun.id).where(NodeRun.state == NodeState.PENDING).limit(1)).first()
     return job is not None or node is not None
 
 

@@ -4,10 +4,9 @@ and as Server-Sent Events. See docs/streams.md for the wire formats."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import PlainTextResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
@@ -26,20 +25,7 @@ from service.schemas import MAX_ID
 from service.streams import service
 from service.streams.service import CallerCheck, LogEnd, Streams
 
-
-@asynccontextmanager
-async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Runs inside the app's own lifespan: the database is there already."""
-    streams = Streams(app.state.db, app.state.settings)
-    await streams.start()
-    app.state.streams = streams
-    try:
-        yield
-    finally:
-        await streams.stop()
-
-
-router = APIRouter(tags=["streams"], lifespan=lifespan)
+router = APIRouter(tags=["streams"])
 
 Position = Annotated[int, Query(ge=0, le=2**62)]
 Seq = Annotated[int, Query(ge=0, le=MAX_ID)]
@@ -80,8 +66,12 @@ SSE_MESSAGE = {
     "description": "one SSE message: `id`, `event` (the type) and `data` (JSON)",
     "properties": {"id": {"type": "string"}, "event": {"type": "string"}, "data": {"type": "string"}},
 }
-SSE = {200: {"content": {"text/event-stream": {"schema": SSE_MESSAGE}}, "description": "Server-Sent Events"}}
-TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "log bytes"}}
+SSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": SSE_MESSAGE}}, "description": "Server-Sent Events"}
+}
+TEXT: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "log bytes"}
+}
 
 
 @router.get("/v1/jobs/{job_id}/events/stream", response_class=EventSourceResponse, responses=SSE)

@@ -1,7 +1,7 @@
 """Live streams of a job: its events and one rank's log, as async iterators the router sends.
 
 Each stream loops: arm its watch, read what is new in a short read-only transaction on a worker
-thread, send it, then wait for a wake-up (`service.notify`) or the recheck timer. No stream
+thread, send it, then wait for a wake-up (`service.wakeups`) or the recheck timer. No stream
 holds a session while it waits, and the database decides what is sent: events with a `seq`
 greater than the last one sent, log bytes from the stream's offset on.
 
@@ -12,6 +12,7 @@ wake-up with two hundred streams open costs one read, not two hundred.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import time
@@ -30,8 +31,10 @@ from service.jobs import repository as jobs_repo
 from service.jobs.schemas import EventOut
 from service.jobs.states import TERMINAL
 from service.models import Job, utcnow
-from service.notify import PollSource, RedisSource, Source, WakeupHub, WakeupService, is_redis
+from service.states import NODE_ACTIVE, NodeState
 from service.streams import repository as repo
+from service.wakeups.hub import PollSource, RedisSource, Source, WakeupHub, WakeupService
+from service.wakeups.message import is_redis
 
 T = TypeVar("T")
 EVENTS_PER_READ = 500
@@ -41,8 +44,7 @@ MAX_POSITION = 2**62
 # may still be flushing its last output: its supervisor notices within a second, stops its
 # ranks within the cancel grace period, then stores what is left.
 LOST_NODE_SETTLE_EXTRA_S = 5.0
-NODE_OWN_ENDS = frozenset({"succeeded", "failed", "cancelled"})
-NODE_ACTIVE = frozenset({"pending", "running"})
+NODE_OWN_ENDS = frozenset({NodeState.SUCCEEDED, NodeState.FAILED, NodeState.CANCELLED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +114,7 @@ class StreamReader:
             task = asyncio.ensure_future(self.run(self._read_events, job_id, after))
             entry = (began, task)
             self._inflight[key] = entry
-            task.add_done_callback(lambda t, key=key, entry=entry: self._done(key, entry, t))
+            task.add_done_callback(functools.partial(self._done, key, entry))
         return await asyncio.shield(entry[1])
 
     def _done(self, key: tuple[int, int], entry: tuple[int, Any], task: asyncio.Future[Any]) -> None:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from service.jobs.lifecycle import NodeOutcome
-from service.jobs.states import CANCELLING
+from service.jobs.node_reports import END_WRITE_PATIENCE_S, Batch, JobControl, NodeKey, NodeOutcome
+from service.states import JobState, NodeState
 from workers.launcher.command import LaunchPlan, config_json, processes_per_node, resume_dir_of
 from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
@@ -37,7 +37,6 @@ from workers.launcher.procs import (
 )
 from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.warm_pool import WarmAgentPool
-from workers.reporter import END_WRITE_PATIENCE_S, Batch, JobControl, NodeKey
 
 log = logging.getLogger("torchjobs.worker")
 POLL_S = 0.25
@@ -53,7 +52,7 @@ class Hooks:
     """The supervisor's only ways out: injected so unit tests can drive it without a database."""
 
     write_batch: Callable[[Batch], JobControl | None]
-    record_checkpoint: Callable[[Any, dict[str, Any] | None, int], None]
+    record_checkpoint: Callable[[Any, dict[str, Any] | None, int], object]
     job_control: Callable[[], JobControl | None]
 
 
@@ -179,9 +178,9 @@ class NodeSupervisor:
         state, attempt = control
         if attempt != self.key.attempt:
             return "superseded"
-        if state == CANCELLING:
+        if state == JobState.CANCELLING:
             return "cancel"
-        if state in ("succeeded", "failed", "cancelled", "queued"):
+        if state in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED):
             return "superseded"
         return None
 
@@ -294,13 +293,15 @@ class NodeSupervisor:
 
     def _outcome(self, rc: int) -> NodeOutcome:
         if self.stop_reason == "cancel":
-            return NodeOutcome(state="cancelled", exit_code=rc)
+            return NodeOutcome(state=NodeState.CANCELLED, exit_code=rc)
         if self.stop_reason in ("superseded", "gone"):
-            return NodeOutcome(state="lost", exit_code=rc, error="stopped: the attempt ended elsewhere")
+            return NodeOutcome(
+                state=NodeState.LOST, exit_code=rc, error="stopped: the attempt ended elsewhere"
+            )
         if self.stop_reason == "shutdown":
-            return NodeOutcome(state="lost", exit_code=rc, error="worker shut down", retryable=True)
+            return NodeOutcome(state=NodeState.LOST, exit_code=rc, error="worker shut down", retryable=True)
         if rc == 0:
-            return NodeOutcome(state="succeeded", exit_code=0)
+            return NodeOutcome(state=NodeState.SUCCEEDED, exit_code=0)
         return self._failure(rc)
 
     def _failure(self, rc: int) -> NodeOutcome:
@@ -320,7 +321,7 @@ class NodeSupervisor:
         body = trace or stderr_tail or tail(self.plan.paths.agent_log, lines=20)
         error = f"{where} exited with code {code}\n{body}".strip()
         retry = is_retryable(code, error + agent_text, signalled_by_us=False)
-        return NodeOutcome(state="failed", exit_code=code, error=error[-16000:], retryable=retry)
+        return NodeOutcome(state=NodeState.FAILED, exit_code=code, error=error[-16000:], retryable=retry)
 
     def cleanup(self) -> None:
         remove_run_dir(self.plan.paths.run_dir)

@@ -143,7 +143,7 @@ def parse_config(raw: Any) -> TrainConfig:
     if hyper is not None and not isinstance(hyper, Mapping):
         raise ConfigError("hyperparameters must be an object")
     return TrainConfig(
-        mode=raw.get("mode"),
+        mode=raw.get("mode"),  # type: ignore[arg-type]  # validated in __post_init__
         accelerator=raw.get("accelerator"),
         gpus_per_node=raw.get("gpus_per_node", 1),
         entrypoint=Entrypoint(**entry),

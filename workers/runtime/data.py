@@ -11,8 +11,9 @@ from __future__ import annotations
 import functools
 import itertools
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -83,7 +84,7 @@ class EpochBatchSampler(BatchSampler):
         seed: int,
         record: bool = False,
     ) -> None:
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[int] = DistributedSampler(
             dataset,
             num_replicas=num_replicas,
             rank=rank,
@@ -103,7 +104,7 @@ class EpochBatchSampler(BatchSampler):
     def set_epoch(self, epoch: int, *, skip_batches: int = 0) -> None:
         if not 0 <= skip_batches <= self.batches_per_epoch:
             raise ValueError(f"cannot skip {skip_batches} of {self.batches_per_epoch} batches")
-        self.sampler.set_epoch(epoch)
+        cast(DistributedSampler[int], self.sampler).set_epoch(epoch)
         self._skip = skip_batches
         self.handed_out = []
 
@@ -145,7 +146,7 @@ class BatchedTensorDataset(TensorDataset):
         return tuple(t[index] for t in self.tensors)
 
 
-def _already_batched(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def _already_batched(batch: Any) -> Any:
     return batch
 
 
@@ -153,7 +154,7 @@ def train_loader(dataset: Dataset, batch_sampler: EpochBatchSampler, opts: Loade
     """The training loader; its own generator keeps loader bookkeeping off the global RNG.
     In-memory tensor data sets are gathered a batch at a time (BatchedTensorDataset)."""
     batched = isinstance(dataset, TensorDataset)
-    if batched:
+    if isinstance(dataset, TensorDataset):
         dataset = BatchedTensorDataset(*dataset.tensors)
     return DataLoader(
         dataset,
@@ -171,7 +172,7 @@ def val_loader(
     dataset: Dataset, *, batch_size: int, rank: int, world_size: int, opts: LoaderOptions
 ) -> DataLoader:
     """Validation on every rank over a strided shard (no padding, so summed counts are exact)."""
-    shard = Subset(dataset, range(rank, len(dataset), world_size))
+    shard = Subset(dataset, range(rank, len(cast(Sized, dataset)), world_size))
     return DataLoader(
         shard,
         batch_size=batch_size,

@@ -160,8 +160,8 @@ class StopAgreement:
 
     def _post(self, flag: bool) -> None:
         now = self._clock()
-        timed = self._posted_at is not None and self._since > 0
-        step_us = int((now - self._posted_at) / self._since * 1e6) if timed else 0
+        posted = self._posted_at
+        step_us = int((now - posted) / self._since * 1e6) if posted is not None and self._since > 0 else 0
         tensor = torch.tensor([int(flag), step_us], dtype=torch.int64)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._ctx.cpu_group, async_op=True)
         self._pending = (work, tensor)

@@ -57,7 +57,7 @@ def place_model(model: nn.Module, plan: RunPlan) -> PlacedModel:
     return PlacedModel(train=model, bare=model, eval=model)
 
 
-def _no_buffer_broadcast() -> dict[str, bool]:
+def _no_buffer_broadcast() -> dict[str, Any]:
     """Synchronised BatchNorm keeps buffers equal, so DDP need not broadcast them every forward.
 
     torch 2.13 renamed `broadcast_buffers` to `forward_sync_buffers` (still syncing at init,

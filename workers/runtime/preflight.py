@@ -76,7 +76,7 @@ def _gloo_group(env: RuntimeEnv, store: dist.Store, timeout: timedelta) -> dist.
 
 def _all_reduce_one(group: dist.ProcessGroupGloo) -> int:
     tensor = torch.ones(1, dtype=torch.int64)
-    group.allreduce([tensor]).wait()
+    group.allreduce([tensor]).wait()  # type: ignore[attr-defined]  # a C++ method torch's stubs omit
     return int(tensor.item())
 
 

@@ -227,8 +227,8 @@ class _ReplicaSync:
     def _combine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
         slots = [slot for slot in self._slots if slot is not None]
         total = sum(count for _, _, count in slots)
-        mean = sum(s.to(device) for s, _, _ in slots) / total
-        var = (sum(ss.to(device) for _, ss, _ in slots) / total - mean * mean).clamp(min=0)
+        mean = torch.stack([s.to(device) for s, _, _ in slots]).sum(0) / total
+        var = (torch.stack([ss.to(device) for _, ss, _ in slots]).sum(0) / total - mean * mean).clamp(min=0)
         return mean, var, total
 
     def abort(self) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +139,8 @@ class Trainer:
         )
         if sampler.batches_per_epoch == 0:
             raise ConfigError(
-                f"the training set ({len(train_set)} samples) has no full batch of {self.hp.batch_size} "
+                f"the training set ({len(cast(Sized, train_set))} samples) has no full batch of "
+                f"{self.hp.batch_size} "
                 f"per process over {self.ctx.world_size} processes"
             )
         opts = LoaderOptions(num_workers=self.hp.num_workers, pin_memory=self.plan.is_cuda, seed=self.hp.seed)

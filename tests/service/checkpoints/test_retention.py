@@ -7,13 +7,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy.orm import Session
 
-from service.checkpoints.service import enforce_retention
+from service.checkpoints.recording import enforce_retention
 from service.config import Settings
 from service.db import Database
 from service.migrate import upgrade
 from service.models import Checkpoint, Job, User
 from service.storage import Storage
+from tests.factories import make_job
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -26,17 +28,9 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     database.dispose()
 
 
-def _job(owner: int, state: str, attempt: int = 1, resume: int | None = None) -> Job:
-    return Job(
-        owner_id=owner,
-        state=state,
-        mode="single",
-        nodes=1,
-        gpus_per_node=1,
-        entrypoint={"kind": "script", "path": "x.py", "args": []},
-        attempt=attempt,
-        resume_checkpoint_id=resume,
-    )
+def _job(s: Session, owner: int, state: str, attempt: int = 1, resume: int | None = None) -> Job:
+    entry = {"kind": "script", "path": "x.py", "args": []}
+    return make_job(s, owner, state, entrypoint=entry, attempt=attempt, resume_checkpoint_id=resume)
 
 
 def _seed(db: Database, storage: Storage) -> dict[str, int]:
@@ -46,9 +40,7 @@ def _seed(db: Database, storage: Storage) -> dict[str, int]:
         user = User(name="u", token_hash="0" * 64)
         s.add(user)
         s.flush()
-        a = _job(user.id, "running", attempt=2)
-        s.add(a)
-        s.flush()
+        a = _job(s, user.id, "running", attempt=2)
         ids: dict[str, int] = {"job": a.id}
         for n, attempt in enumerate([1, 1, 1, 2, 2, 2], start=1):
             key = f"jobs/{a.id}/attempt-{attempt}/epoch-{n:04d}.pt"
@@ -75,8 +67,8 @@ def _seed(db: Database, storage: Storage) -> dict[str, int]:
         s.add(upload)
         s.flush()
         ids["upload"] = upload.id
-        s.add(_job(user.id, "queued", resume=ids["c1"]))
-        s.add(_job(user.id, "succeeded", resume=ids["c2"]))
+        _job(s, user.id, "queued", resume=ids["c1"])
+        _job(s, user.id, "succeeded", resume=ids["c2"])
     return ids
 
 

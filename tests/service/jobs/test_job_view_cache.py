@@ -30,6 +30,7 @@ from service.jobs.view_cache import CachedView, ViewCache
 from service.jobs.view_feed import install_commit_invalidation
 from service.migrate import upgrade
 from service.models import Job, JobAttempt, User
+from tests.factories import make_job, set_job_state
 from tests.harness import wait_for
 
 TOKEN = "tj_view_cache_admin_token_0123456789"
@@ -104,20 +105,7 @@ def running_app(settings: Settings) -> Iterator[App]:
 def seed_job(db: Database, state: str = "running", owner: str = "admin") -> int:
     with db.transaction() as session:
         user = session.query(User).filter_by(name=owner).one()
-        job = Job(
-            owner_id=user.id,
-            name="cached",
-            state=state,
-            mode="single",
-            nodes=1,
-            gpus_per_node=1,
-            entrypoint={"kind": "builtin", "model": "cnn", "dataset": "digits"},
-            attempt=1,
-        )
-        session.add(job)
-        session.flush()
-        session.add(JobAttempt(job_id=job.id, attempt=1))
-        return job.id
+        return make_job(session, user.id, state, name="cached").id
 
 
 def test_a_repeated_get_reads_no_database(app: App) -> None:
@@ -146,7 +134,7 @@ def test_a_commit_elsewhere_reaches_the_next_gets(app: App) -> None:
         session.add(JobAttempt(job_id=job_id, attempt=2))
     app.seen_soon(job_id, lambda b: [a["attempt"] for a in b["attempts"]] == [1, 2])
     with app.elsewhere.transaction() as session:
-        session.execute(update(Job).where(Job.id == job_id).values(state="succeeded"))
+        set_job_state(session, job_id, "succeeded")
     app.seen_soon(job_id, lambda b: b["state"] == "succeeded")
 
 
@@ -202,7 +190,7 @@ def test_queued_jobs_are_read_every_time(app: App) -> None:
     second = seed_job(app.elsewhere, state="queued")
     assert app.get(second).json()["queue_position"] == 2
     with app.elsewhere.transaction() as session:
-        session.execute(update(Job).where(Job.id == first).values(state="scheduled"))
+        set_job_state(session, first, "scheduled")
     assert app.get(second).json()["queue_position"] == 1
 
 
@@ -229,7 +217,7 @@ def test_changes_made_while_the_feed_was_down_are_not_served(postgres_settings: 
                 text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'")
             )
         with app.elsewhere.transaction() as session:
-            session.execute(update(Job).where(Job.id == job_id).values(state="failed"))
+            set_job_state(session, job_id, "failed")
         wait_for(lambda: app.get(job_id).json()["state"] == "failed", FEED_S, "the change")
         wait_for(lambda: app.cache.enabled, FEED_S, "the feed to listen again")
         app.get(job_id)
@@ -283,11 +271,11 @@ def test_this_process_commits_clear_the_cache_only_when_they_wrote(tmp_path: Pat
         session.execute(text("SELECT 1"))  # (its advisory lock, on PostgreSQL)
     assert cache.view(job_id) is not None
     with pytest.raises(RuntimeError), db.transaction() as session:
-        session.execute(update(Job).where(Job.id == job_id).values(state="failed"))
+        set_job_state(session, job_id, "failed")
         raise RuntimeError("rolled back")
     assert cache.view(job_id) is not None
     with db.transaction() as session:
-        session.execute(update(Job).where(Job.id == job_id).values(state="failed"))
+        set_job_state(session, job_id, "failed")
     assert cache.view(job_id) is None
     primed()
     with db.transaction() as session:

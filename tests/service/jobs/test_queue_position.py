@@ -8,7 +8,8 @@ from service.config import Settings
 from service.db import Database
 from service.jobs.repository import queue_positions
 from service.migrate import upgrade
-from service.models import Job, User
+from service.models import User
+from tests.factories import make_job
 
 
 def test_positions_follow_priority_then_age(tmp_path: Path) -> None:
@@ -21,16 +22,7 @@ def test_positions_follow_priority_then_age(tmp_path: Path) -> None:
         session.flush()
         jobs = []
         for priority, state in [(0, "queued"), (5, "queued"), (0, "running"), (0, "queued"), (5, "queued")]:
-            job = Job(
-                owner_id=user.id,
-                state=state,
-                mode="single",
-                nodes=1,
-                gpus_per_node=1,
-                entrypoint={"kind": "builtin"},
-                priority=priority,
-            )
-            session.add(job)
+            job = make_job(session, user.id, state, entrypoint={"kind": "builtin"}, priority=priority)
             jobs.append(job)
         session.flush()
         together = queue_positions(session, jobs)

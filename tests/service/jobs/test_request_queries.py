@@ -13,7 +13,8 @@ from sqlalchemy import event
 from service.app import create_app
 from service.config import Settings
 from service.migrate import upgrade
-from service.models import Job, JobAttempt, NodeRun, User
+from service.models import User
+from tests.factories import make_job, make_node_run, move_job
 
 TOKEN = "tj_request_queries_token_0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -72,22 +73,9 @@ def _finished_jobs(client: TestClient, n: int) -> list[int]:
     with db.transaction() as session:
         admin = session.query(User).filter_by(name="admin").one()
         for i in range(n):
-            job = Job(
-                owner_id=admin.id,
-                name=f"done-{i}",
-                state="succeeded",
-                mode="single",
-                nodes=1,
-                gpus_per_node=1,
-                entrypoint={"kind": "builtin", "model": "cnn", "dataset": "digits"},
-                attempt=1,
-            )
-            session.add(job)
-            session.flush()
-            session.add(JobAttempt(job_id=job.id, attempt=1, exit_code=0, reason="succeeded"))
-            session.add(
-                NodeRun(job_id=job.id, attempt=1, node_rank=0, worker_name="w", gpus=[0], address="a")
-            )
+            job = make_job(session, admin.id, name=f"done-{i}", exit_code=0)
+            make_node_run(session, job, "succeeded", address="a")
+            move_job(session, job, "succeeded")
             ids.append(job.id)
     return ids
 

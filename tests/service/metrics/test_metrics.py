@@ -18,13 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from service import migrate
 from service.app import create_app
 from service.config import Settings
+from service.hosts import states as host_states
 from service.jobs import lifecycle
 from service.jobs.states import ALL_STATES
 from service.metrics import repository as metrics_repo
 from service.metrics.collector import QUEUE_WAIT_BUCKETS, queue_wait_histogram
 from service.models import utcnow
 from service.scheduler.loop import run_pass
-from service.workers import repository as workers_repo
 from tests.harness import ADMIN_TOKEN
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -82,7 +82,7 @@ def test_metrics_need_a_token(client: TestClient) -> None:
 def test_jobs_queue_waits_gpus_and_request_latency(client: TestClient, settings: Settings) -> None:
     db = client.app.state.db
     with db.transaction() as session:
-        workers_repo.upsert_worker(
+        host_states.upsert_worker(
             session,
             name="w1",
             address="10.0.0.1",

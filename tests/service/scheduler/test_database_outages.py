@@ -15,6 +15,7 @@ from service.migrate import upgrade
 from service.models import Worker, utcnow
 from service.scheduler.loop import reap
 from service.scheduler.outages import DatabaseOutages
+from tests.factories import make_worker
 
 
 class Clock:
@@ -52,17 +53,7 @@ def db(tmp_path: Path) -> Database:
 @pytest.mark.parametrize("judge", [True, False])
 def test_a_silent_worker_goes_offline_only_when_silence_may_be_judged(db: Database, judge: bool) -> None:
     with db.transaction() as s:
-        s.add(
-            Worker(
-                name="w1",
-                address="127.0.0.1",
-                gpus=2,
-                accelerator="cpu",
-                state="online",
-                session="s1",
-                last_heartbeat=utcnow() - timedelta(seconds=db.settings.heartbeat_timeout_s * 4),
-            )
-        )
+        make_worker(s, "w1", now=utcnow() - timedelta(seconds=db.settings.heartbeat_timeout_s * 4))
     with db.transaction() as s:
         reap(s, db.settings, judge_silence=judge)
     with db.transaction() as s:

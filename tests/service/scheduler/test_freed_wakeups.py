@@ -13,15 +13,9 @@ from sqlalchemy.orm import sessionmaker
 from service.config import Settings
 from service.jobs.states import free_gpus
 from service.models.base import Base
-from service.notify import (
-    FREED_SIGNAL_MAX_BYTES,
-    encode,
-    freed_in,
-    freed_signal_path,
-    install_publisher,
-    signal_freed,
-)
-from service.scheduler.wakeups import FreedGpuFileWatcher, FreedGpuListener
+from service.wakeups.message import encode, freed_in
+from service.wakeups.publish import FREED_SIGNAL_MAX_BYTES, freed_signal_path, install_publisher, signal_freed
+from service.wakeups.scheduler import FreedGpuFileWatcher, FreedGpuListener
 
 
 class Wakes:

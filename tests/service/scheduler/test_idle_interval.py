@@ -9,8 +9,8 @@ import pytest
 from service.config import Settings
 from service.db import Database
 from service.migrate import upgrade
-from service.models import Job, NodeRun, User
 from service.scheduler.loop import has_waiting_work
+from tests.factories import make_job, make_node_run, make_user
 
 
 @pytest.mark.parametrize(
@@ -30,31 +30,10 @@ def test_waiting_work(tmp_path: Path, job_state: str, node_state: str | None, wa
     try:
         assert has_waiting_work(db) is False  # an empty database
         with db.transaction() as session:
-            user = User(name="u", token_hash="h", is_admin=False)
-            session.add(user)
-            session.flush()
-            job = Job(
-                owner_id=user.id,
-                state=job_state,
-                mode="single",
-                nodes=1,
-                gpus_per_node=1,
-                entrypoint={"kind": "builtin"},
-            )
-            session.add(job)
-            session.flush()
+            user = make_user(session)
+            job = make_job(session, user.id, job_state)
             if node_state is not None:
-                session.add(
-                    NodeRun(
-                        job_id=job.id,
-                        attempt=1,
-                        node_rank=0,
-                        worker_name="w",
-                        gpus=[0],
-                        address="127.0.0.1",
-                        state=node_state,
-                    )
-                )
+                make_node_run(session, job, node_state)
         assert has_waiting_work(db) is waiting
     finally:
         db.dispose()

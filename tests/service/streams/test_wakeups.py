@@ -14,8 +14,10 @@ from sqlalchemy.orm import sessionmaker
 
 from service.config import Settings
 from service.errors import InvalidSpec
-from service.notify import NOTIFY_EVENTS, WakeupHub, channel_for, decode, install_publisher, mark_logs
 from service.streams.service import start_position, utf8_cut
+from service.wakeups.hub import WakeupHub
+from service.wakeups.message import NOTIFY_EVENTS, channel_for, decode, mark_logs
+from service.wakeups.publish import install_publisher
 from tests import harness
 
 REDIS_DB = 13

@@ -7,10 +7,10 @@ import sys
 import threading
 from pathlib import Path
 
+from service.jobs.node_reports import Batch, NodeKey
 from workers.launcher.command import LaunchPlan, NodePaths
 from workers.launcher.ingest import MAX_READ, RankLogs
 from workers.launcher.supervisor import Hooks, NodeSupervisor
-from workers.reporter import Batch, NodeKey
 
 # A stand-in for torchrun --redirects=3: writes the rank's files the way torchrun lays them out,
 # as fast as it can, and exits at once.

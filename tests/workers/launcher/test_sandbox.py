@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from service.jobs.node_reports import NodeKey
 from tests.harness import free_port
 from workers.launcher import procs, sandbox
 from workers.launcher.command import NodeLaunch, build_launch, resume_dir_of
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
 from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.supervisor import Hooks, NodeSupervisor, warm_agents
-from workers.reporter import NodeKey
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="builds both sandboxes as root")
 

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from service.jobs.node_reports import Batch, JobControl, NodeKey
 from workers.launcher.command import LaunchPlan, NodePaths
 from workers.launcher.supervisor import Hooks, NodeSupervisor
-from workers.reporter import Batch, JobControl, NodeKey
 
 # A stand-in for torchrun: a progress line every 50 ms in the events file, one checkpoint file
 # per "epoch" (written, then renamed into place), for `seconds`, then exit 0.

@@ -6,6 +6,7 @@ Idempotency-Key so that a retried submit can never create a second job.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import time
@@ -17,7 +18,9 @@ from typing import Any
 import httpx
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-TERMINAL = ("succeeded", "failed", "cancelled")
+from service.states import JobState
+
+TERMINAL = tuple(str(s) for s in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED))
 # Streams: reconnect on any transport failure, and count a connection silent for longer than
 # a few of the server's keep-alive pings (15 s apart) as dropped.
 STREAM_ERRORS = (httpx.TransportError,)
@@ -79,7 +82,7 @@ class Client:
     def list(self, state: str | None = None, limit: int = 50, cursor: str | None = None) -> dict[str, Any]:
         return self._get("/v1/jobs", state=state, limit=limit, cursor=cursor)
 
-    def events(self, job_id: int, after: int = 0) -> list[dict[str, Any]]:
+    def events(self, job_id: int, after: int = 0) -> builtins.list[dict[str, Any]]:
         return self._get(f"/v1/jobs/{job_id}/events", after=after)["items"]
 
     def wait(self, job_id: int, timeout: float | None = None, poll_s: float = 1.0) -> dict[str, Any]:
@@ -192,7 +195,7 @@ class Client:
     def cancel(self, job_id: int) -> dict[str, Any]:
         return _json(self.http.post(f"/v1/jobs/{job_id}/cancel"))
 
-    def checkpoints(self, job_id: int) -> list[dict[str, Any]]:
+    def checkpoints(self, job_id: int) -> builtins.list[dict[str, Any]]:
         return self._get(f"/v1/jobs/{job_id}/checkpoints")["items"]
 
     def checkpoint(self, ckpt_id: int) -> dict[str, Any]:
@@ -220,7 +223,7 @@ class Client:
         )
 
     def download(self, ckpt_id: int, dest: str, progress: Any = None) -> str:
-        from service.download import download_checkpoint
+        from service.client.download import download_checkpoint
 
         return download_checkpoint(self, ckpt_id, dest, progress)
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
-    from service.client import Client
+    from service.client.api import Client
 
 CHUNK = 1024 * 1024
 TIMEOUT = httpx.Timeout(30.0, read=300.0)  # a stalled server is a dropped connection: retried
@@ -75,7 +75,7 @@ def _fetch(client: Client, ckpt_id: int, partial: str, meta: dict[str, Any], pro
     ) as resp:
         if resp.status_code not in (200, 206):
             resp.read()
-            from service.client import _json
+            from service.client.api import _json
 
             _json(resp)
         resumed = resp.status_code == 206 and resp.headers.get("Content-Range", "").startswith(

@@ -1,25 +1,8 @@
-"""Wake-ups for open streams: "job N has something new", never the data itself.
-
-The database stays the source of truth. A wake-up only tells a waiting stream to read again
-(events with `seq` greater than the last it sent, log bytes past its offset), so a lost, late
-or repeated wake-up can delay a stream but never make it skip or repeat anything.
-
-Publishing, in every process (API, scheduler, workers): `install_publisher()` hooks the
-sessionmaker's `after_commit`. The ids that the committed transaction appended events to
-(`session.info["notify_jobs"]`, filled by `append_event`) or wrote log chunks for
-(`session.info["notify_logs"]`, filled by `mark_logs`) go out as one Redis PUBLISH, when the
-broker is Redis. Without Redis nothing is published.
-
-A transaction that gave GPUs back (`mark_freed`) says so in the same message; the scheduler's
-`FreedGpuListener` (service/scheduler/wakeups.py) wakes a pass on it, so a job finishing on a
-worker host starts the next one without waiting for the scheduler's timer. Without Redis the
-same commit appends a byte to `freed_signal_path()`, which `FreedGpuFileWatcher` watches.
-
-Receiving, in the API process: one `WakeupHub` holds the open streams' `Watch`es and is fed by
-one source: a `RedisSource` (a single subscriber for the whole process), or on the embedded
-setup a `PollSource` (one shared query every `stream_poll_s` over the jobs being watched).
-Streams also re-read every `stream_recheck_s` on their own, which bounds the delay when a
-publish is lost (Redis down for a moment).
+"""Receiving wake-ups, in the API process: one `WakeupHub` holds the open streams' `Watch`es
+and is fed by one source: a `RedisSource` (a single subscriber for the whole process), or on
+the embedded setup a `PollSource` (one shared query every `stream_poll_s` over the jobs being
+watched). Streams also re-read every `stream_recheck_s` on their own, which bounds the delay
+when a publish is lost (Redis down for a moment).
 """
 
 from __future__ import annotations
@@ -27,165 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
-import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import anyio
-from sqlalchemy import event
-from sqlalchemy.orm import Session, sessionmaker
 
-from service.config import Settings
+from service.wakeups.message import channel_for, decode
 
 log = logging.getLogger("torchjobs.notify")
-
-NOTIFY_EVENTS = "notify_jobs"  # the key `service.jobs.states.append_event` fills
-NOTIFY_LOGS = "notify_logs"
-NOTIFY_FREED = "notify_freed"  # `service.jobs.states.free_gpus` sets it
-QUIET_AFTER_FAILURE_S = 5.0
-FREED_SIGNAL_MAX_BYTES = 4096
-
-
-def mark_logs(session: Session, job_id: int) -> None:
-    """Say that this transaction wrote log chunks for `job_id` (published after it commits)."""
-    session.info.setdefault(NOTIFY_LOGS, set()).add(job_id)
-
-
-def mark_freed(session: Session) -> None:
-    """Say that this transaction gave GPUs back: the scheduler may place the next job."""
-    session.info[NOTIFY_FREED] = True
-
-
-def is_redis(url: str) -> bool:
-    return url.startswith(("redis://", "rediss://"))
-
-
-def channel_for(redis_url: str) -> str:
-    """One channel per Redis database: Celery already requires every process to share it,
-    and deployments that share a Redis server on different databases do not wake each other."""
-    import redis
-
-    db = redis.connection.parse_url(redis_url).get("db", 0) or 0
-    return f"torchjobs:wakeups:{db}"
-
-
-def encode(events: set[int], logs: set[int], freed: bool = False) -> str:
-    msg: dict[str, Any] = {"e": sorted(events), "l": sorted(logs)}
-    if freed:
-        msg["f"] = 1
-    return json.dumps(msg, separators=(",", ":"))
-
-
-def decode(raw: bytes | str) -> tuple[list[int], list[int]]:
-    try:
-        msg = json.loads(raw)
-        return [int(i) for i in msg.get("e", ())], [int(i) for i in msg.get("l", ())]
-    except (ValueError, TypeError, AttributeError):
-        return [], []
-
-
-def freed_in(raw: bytes | str) -> bool:
-    """Whether the committed transaction behind this wake-up freed GPUs."""
-    try:
-        return bool(json.loads(raw).get("f"))
-    except (ValueError, TypeError, AttributeError):
-        return False
-
-
-# --- publishing -------------------------------------------------------------------------------
-
-
-class RedisPublisher:
-    """A synchronous PUBLISH after each commit; a failure is logged and never fails the commit
-    (it has already happened). After a failure it stays quiet for a few seconds so that a
-    Redis outage does not add a connect timeout to every transaction."""
-
-    def __init__(self, url: str) -> None:
-        import redis
-
-        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        self.channel = channel_for(url)
-        self._quiet_until = 0.0
-
-    def publish(self, events: set[int], logs: set[int], freed: bool = False) -> None:
-        now = time.monotonic()
-        if now < self._quiet_until:
-            return
-        try:
-            self.client.publish(self.channel, encode(events, logs, freed))
-        except self._errors as exc:
-            self._quiet_until = now + QUIET_AFTER_FAILURE_S
-            log.warning("stream wake-up not published (%s); streams re-read on their own timer", exc)
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.client.close()
-
-
-def freed_signal_path(settings: Settings) -> Path:
-    """Without Redis (the embedded setup: one machine, one TORCHJOBS_HOME) a commit that freed
-    GPUs appends a byte to this file, and the scheduler watches its size and time."""
-    return settings.home / "wakeups" / "gpus-freed"
-
-
-def signal_freed(path: Path) -> None:
-    """Append one byte (truncating now and then): every signal changes the file's size, even
-    two within one tick of the file system's clock."""
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("ab") as f:
-            if f.tell() >= FREED_SIGNAL_MAX_BYTES:
-                f.truncate(0)
-            else:
-                f.write(b".")
-
-
-def install_publisher(factory: sessionmaker[Session], settings: Settings) -> RedisPublisher | None:
-    if not is_redis(settings.resolved_broker_url):
-        _install_freed_file(factory, freed_signal_path(settings))
-        _install_cleanup(factory)
-        return None
-    publisher = RedisPublisher(settings.resolved_broker_url)
-
-    @event.listens_for(factory, "after_commit")
-    def _after_commit(session: Session) -> None:
-        if session.in_nested_transaction():
-            return  # a SAVEPOINT released: nothing is visible to others until the outer commit
-        events = session.info.pop(NOTIFY_EVENTS, None) or set()
-        logs = session.info.pop(NOTIFY_LOGS, None) or set()
-        freed = bool(session.info.pop(NOTIFY_FREED, False))
-        if events or logs or freed:
-            publisher.publish(events, logs, freed)
-
-    _install_cleanup(factory)
-    return publisher
-
-
-def _install_freed_file(factory: sessionmaker[Session], path: Path) -> None:
-    @event.listens_for(factory, "after_commit")
-    def _after_commit(session: Session) -> None:
-        if session.in_nested_transaction():
-            return
-        if session.info.pop(NOTIFY_FREED, False):
-            signal_freed(path)
-
-
-def _install_cleanup(factory: sessionmaker[Session]) -> None:
-    """What a rolled-back transaction marked must not leak into the session's next one."""
-
-    @event.listens_for(factory, "after_transaction_end")
-    def _after_end(session: Session, transaction: Any) -> None:
-        if transaction.parent is None:
-            session.info.pop(NOTIFY_EVENTS, None)
-            session.info.pop(NOTIFY_LOGS, None)
-            session.info.pop(NOTIFY_FREED, None)
-
-
-# --- receiving --------------------------------------------------------------------------------
 
 
 class Watch:

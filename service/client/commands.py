@@ -21,9 +21,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from service.client import TERMINAL, ApiError, Client
+from service.client.api import TERMINAL, ApiError, Client
+from service.client.download import ChecksumMismatch
 from service.config import Settings
-from service.download import ChecksumMismatch
+from service.states import JobState
 
 console = Console(stderr=True)
 OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table | json")]
@@ -31,7 +32,7 @@ OutputOpt = Annotated[str, typer.Option("--output", "-o", help="table | json")]
 OutputLongOpt = Annotated[str, typer.Option("--output", help="table | json")]
 UrlOpt = Annotated[str | None, typer.Option("--url", help="server URL (TORCHJOBS_URL)")]
 TokenOpt = Annotated[str | None, typer.Option("--token", help="bearer token (TORCHJOBS_TOKEN)")]
-EXIT_BY_STATE = {"succeeded": 0, "failed": 1, "cancelled": 3}
+EXIT_BY_STATE = {JobState.SUCCEEDED: 0, JobState.FAILED: 1, JobState.CANCELLED: 3}
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
                 final = _watch(client, job_id, output)
             except ApiError as exc:
                 _fail(exc)
-        raise typer.Exit(EXIT_BY_STATE.get(final, 1))
+        raise typer.Exit(EXIT_BY_STATE.get(JobState(final), 1))
 
     @app.command()
     def logs(
@@ -346,7 +347,7 @@ def _watch(client: Client, job_id: int, output: str) -> str:
         TimeRemainingColumn(),
     )
     with Progress(*columns, console=console) as bar:
-        fields = _progress_fields(job["progress"])
+        fields: dict[str, Any] = _progress_fields(job["progress"])
         task = bar.add_task("", total=1.0, job=job_id, state=job["state"], **fields)
         bar.update(task, completed=job["progress"].get("fraction") or 0.0)
         for event in client.stream_events(job_id):
@@ -355,11 +356,12 @@ def _watch(client: Client, job_id: int, output: str) -> str:
             elif event["type"] == "progress":
                 d = event["data"]
                 fraction = _fraction(d)
-                bar.update(task, **_progress_fields(d))
+                update: dict[str, Any] = _progress_fields(d)
+                bar.update(task, **update)
                 if fraction is not None:
                     bar.update(task, completed=fraction)
         final = client.get(job_id)
-        if final["state"] == "succeeded":
+        if final["state"] == JobState.SUCCEEDED:
             bar.update(task, completed=1.0)
     console.print(f"job {job_id} {final['state']}" + (f": {final['error']}" if final.get("error") else ""))
     return final["state"]

@@ -10,15 +10,17 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from sqlalchemy import select, text, update
+from sqlalchemy import select, text
 from sqlalchemy.exc import OperationalError
 
 from service.config import Settings
-from service.db import Database
+from service.db import Database, KeptConnection
+from service.jobs.node_reports import Batch, NodeKey
+from service.jobs.reports import write_batch
 from service.migrate import upgrade
-from service.models import Job, JobEvent, User
+from service.models import Job, JobEvent
+from tests.factories import make_job, make_user, set_job_state
 from tests.harness import PG_ADMIN_URL
-from workers.reporter import Batch, NodeConnection, NodeKey, write_batch
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -36,21 +38,14 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
 
 def running_job(db: Database, attempt: int = 1) -> int:
     with db.transaction() as s:
-        user = User(name="u", token_hash="0" * 64)
-        s.add(user)
-        s.flush()
-        job = Job(
-            owner_id=user.id,
-            state="running",
-            mode="single",
-            nodes=1,
-            gpus_per_node=1,
+        job = make_job(
+            s,
+            make_user(s).id,
+            "running",
             entrypoint={"kind": "builtin", "model": "mlp", "dataset": "digits"},
             attempt=attempt,
             progress={"epoch": 0, "val_loss": 2.5},
         )
-        s.add(job)
-        s.flush()
         return job.id
 
 
@@ -60,7 +55,11 @@ def reports(*steps: int) -> Batch:
 
 def stored(db: Database, job_id: int) -> tuple[list[int], list[int], dict]:
     with db.transaction() as s:
-        events = s.execute(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.seq)).scalars()
+        events = s.execute(
+            select(JobEvent)
+            .where(JobEvent.job_id == job_id, JobEvent.type == "progress")
+            .order_by(JobEvent.seq)
+        ).scalars()
         seqs_steps = [(e.seq, e.data.get("step")) for e in events]
         job = s.get(Job, job_id)
         assert job is not None
@@ -69,23 +68,23 @@ def stored(db: Database, job_id: int) -> tuple[list[int], list[int], dict]:
 
 def test_a_batch_appends_merges_progress_and_returns_the_job(db: Database) -> None:
     job_id = running_job(db)
-    node = NodeConnection(db)
+    node = KeptConnection(db)
     key = NodeKey(job_id=job_id, attempt=1, node_rank=0)
     assert write_batch(node, key, reports(1, 2, 3)) == ("running", 1)
     assert write_batch(node, key, reports(4)) == ("running", 1)
     assert write_batch(node, key, Batch()) is None  # nothing to write: no transaction, no look
     seqs, steps, progress = stored(db, job_id)
-    assert seqs == [1, 2, 3, 4] and steps == [1, 2, 3, 4]
+    assert seqs == [4, 5, 6, 7] and steps == [1, 2, 3, 4]  # after the seeded states' 3 events, no gap
     assert progress == {"epoch": 0, "val_loss": 2.5, "step": 4, "loss": 0.25}  # merged, not replaced
     with db.transaction() as s:
-        s.execute(update(Job).where(Job.id == job_id).values(state="cancelling"))
+        set_job_state(s, job_id, "cancelling")
     assert write_batch(node, key, Batch(logs=[(0, 0, b"hello\n")])) == ("cancelling", 1)
     node.close()
 
 
 def test_reports_of_an_attempt_that_is_over_are_not_appended(db: Database) -> None:
     job_id = running_job(db, attempt=2)
-    node = NodeConnection(db)
+    node = KeptConnection(db)
     assert write_batch(node, NodeKey(job_id=job_id, attempt=1, node_rank=0), reports(7)) == ("running", 2)
     assert stored(db, job_id)[0] == []
     assert write_batch(node, NodeKey(job_id=job_id + 1, attempt=1, node_rank=0), reports(1)) is None  # gone
@@ -98,7 +97,7 @@ def test_a_broken_kept_connection_is_replaced_at_the_next_batch(pg_url: str, tmp
     upgrade(settings)
     db = Database(settings)
     job_id = running_job(db)
-    node = NodeConnection(db)
+    node = KeptConnection(db)
     key = NodeKey(job_id=job_id, attempt=1, node_rank=0)
     assert write_batch(node, key, reports(1)) == ("running", 1)
     assert node.conn is not None

@@ -13,11 +13,13 @@ import pytest
 
 from service.config import Settings
 from service.db import Database
-from service.jobs.lifecycle import NodeOutcome
+from service.jobs.lifecycle import record_end
+from service.jobs.node_reports import NodeKey, NodeOutcome
 from service.migrate import upgrade
-from service.models import Job, NodeRun, User
+from service.models import Job
+from service.states import NodeState
+from tests.factories import make_job, make_node_run, make_user
 from tests.harness import PG_ADMIN_URL
-from workers.reporter import NodeKey, record_end
 
 
 @pytest.fixture
@@ -31,25 +33,10 @@ def db(pg_url: str, tmp_path: Path) -> Iterator[Database]:
 
 def _running_job(db: Database) -> int:
     with db.transaction() as s:
-        user = User(name="u", token_hash="0" * 64)
-        s.add(user)
-        s.flush()
-        job = Job(
-            owner_id=user.id,
-            state="running",
-            mode="single",
-            nodes=1,
-            gpus_per_node=1,
-            entrypoint={"kind": "script", "path": "x.py", "args": []},
-            attempt=1,
+        job = make_job(
+            s, make_user(s).id, "running", entrypoint={"kind": "script", "path": "x.py", "args": []}
         )
-        s.add(job)
-        s.flush()
-        s.add(
-            NodeRun(
-                job_id=job.id, attempt=1, node_rank=0, worker_name="w", gpus=[0], address="a", state="running"
-            )
-        )
+        make_node_run(s, job, "running", address="a")
         return job.id
 
 
@@ -70,7 +57,9 @@ def test_the_end_is_stored_once_the_database_is_back(
     back.start()
     try:
         record_end(
-            db, NodeKey(job_id=job_id, attempt=1, node_rank=0), NodeOutcome(state="succeeded", exit_code=0)
+            db,
+            NodeKey(job_id=job_id, attempt=1, node_rank=0),
+            NodeOutcome(state=NodeState.SUCCEEDED, exit_code=0),
         )
     finally:
         back.join()

@@ -3,8 +3,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from service.api.deps import SessionDep, UserDep
-from service.workers import service
-from service.workers.schemas import WorkerList
+from service.hosts import service
+from service.hosts.schemas import WorkerList
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
 

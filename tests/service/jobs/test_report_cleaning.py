@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from workers.reporter import _clean
+from service.jobs.reports import _clean
 
 
 def test_rank_timestamp_kept_as_reported_at() -> None:

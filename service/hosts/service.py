@@ -2,9 +2,10 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
+from service.hosts import repository as repo
+from service.hosts.schemas import WorkerList, WorkerOut
 from service.models import User
-from service.workers import repository as repo
-from service.workers.schemas import WorkerList, WorkerOut
+from service.states import WorkerState
 
 
 def list_workers(session: Session, caller: User | None) -> WorkerList:
@@ -28,7 +29,7 @@ def list_workers(session: Session, caller: User | None) -> WorkerList:
                 accelerator=w.accelerator,
                 gpus=w.gpus,
                 gpu_ids=list(w.gpu_ids or [str(i) for i in range(w.gpus)]),
-                gpus_free=max(0, w.gpus - len(used.get(w.name, ()))) if w.state == "online" else 0,
+                gpus_free=max(0, w.gpus - len(used.get(w.name, ()))) if w.state == WorkerState.ONLINE else 0,
                 state=w.state,
                 last_heartbeat=w.last_heartbeat,
                 jobs=sorted(jobs.get(w.name, ())),

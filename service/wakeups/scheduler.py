@@ -3,7 +3,7 @@
 Jobs end on worker hosts: the worker's transaction frees the job's GPUs, and without a signal
 the API's scheduler would notice only on its next timer tick (`scheduler_interval_s`). With
 Redis as the broker every commit that freed GPUs publishes a wake-up carrying `"f"` (see
-service/notify.py); this thread subscribes to it and wakes the scheduler at once. A lost
+service/wakeups/publish.py); this thread subscribes to it and wakes the scheduler at once. A lost
 message costs one timer tick, never a placement: the pass reads the database, as always.
 The embedded setup has no Redis: there the same commit appends a byte to a file under
 TORCHJOBS_HOME, and `FreedGpuFileWatcher` stats it every 50 ms (a stat, no query).
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.notify import channel_for, freed_in
+from service.wakeups.message import channel_for, freed_in
 
 if TYPE_CHECKING:
     from redis.client import PubSub

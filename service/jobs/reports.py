@@ -1,0 +1,97 @@
+"""What a running node writes: log chunks and progress events, in one transaction per batch.
+
+However many lines or reports a batch holds, it costs one transaction: a burst of output is
+coalesced, never one transaction per line. Open streams hear of it after the commit
+(`service.wakeups`): the events through `append_attempt_events`, the logs through `mark_logs`.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service.db import Database
+from service.jobs.node_reports import Batch, JobControl, NodeKey
+from service.jobs.schemas import PROGRESS_FIELDS
+from service.jobs.states import append_attempt_events
+from service.models import Job, LogChunk
+from service.wakeups.message import mark_logs
+
+MAX_CHUNK = 256 * 1024
+
+
+class Transactions(Protocol):
+    """A `Database`, or a node's own kept connection (`service.db.KeptConnection`)."""
+
+    def transaction(self) -> AbstractContextManager[Session]: ...
+
+
+def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | None:
+    """Log chunks and progress events of one look, in one transaction. Open streams hear of
+    it after the commit. The job's `progress` is written once per batch, with the latest values.
+
+    Returns the job's (state, attempt) as that transaction saw it, or None when there was
+    nothing to write or the job is gone: the supervisor takes it for its look at the job, so
+    a node that is storing output costs the database one transaction a look, not two."""
+    if not batch:
+        return None
+    with db.transaction() as session:
+        if batch.logs:
+            session.add_all(
+                LogChunk(
+                    job_id=key.job_id,
+                    attempt=key.attempt,
+                    node_rank=key.node_rank,
+                    local_rank=local_rank,
+                    offset=offset + i,
+                    data=data[i : i + MAX_CHUNK],
+                )
+                for local_rank, offset, data in batch.logs
+                for i in range(0, len(data), MAX_CHUNK)
+            )
+            mark_logs(session, key.job_id)
+        progress = [e for e in batch.events if e.get("type", "progress") == "progress"]
+        if not progress:
+            return _control(session, key.job_id)
+        cleaned = [_clean(event) for event in progress]
+        job = append_attempt_events(session, key.job_id, key.attempt, [("progress", d) for d in cleaned])
+        if job is None:  # gone, or on another attempt: its reports are not this job's now
+            return _control(session, key.job_id)
+        latest = dict(job.progress or {})
+        for data in cleaned:
+            latest.update({k: data[k] for k in PROGRESS_FIELDS if k in data})
+        if latest != job.progress:
+            session.execute(update(Job).where(Job.id == key.job_id).values(progress=latest))
+        return job.state, key.attempt
+
+
+def _control(session: Session, job_id: int) -> JobControl | None:
+    row = session.execute(select(Job.state, Job.attempt).where(Job.id == job_id)).one_or_none()
+    return (row.state, row.attempt) if row else None
+
+
+def _clean(event: dict[str, Any]) -> dict[str, Any]:
+    """Keep JSON-safe scalars only; NaN and infinities become null. The rank's own wall clock
+    ("ts", seconds since the epoch) is kept as "reported_at": the event's `ts` is when it was stored."""
+    out: dict[str, Any] = {}
+    for k, v in event.items():
+        if k == "ts" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out["reported_at"] = v
+            continue
+        if k in ("type", "ts") or not isinstance(k, str):
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[k[:64]] = v[:1000] if isinstance(v, str) else v
+    return out
+
+
+def job_control(db: Database, job_id: int) -> JobControl | None:
+    """The job's (state, attempt), read without a lock: what a supervisor polls."""
+    with db.sessionmaker() as session:
+        return _control(session, job_id)
