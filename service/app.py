@@ -24,6 +24,7 @@ from service.api.limits import BodyLimitMiddleware
 from service.api.responses import ERROR_RESPONSES
 from service.auth.tokens import ensure_admin
 from service.checkpoints.router import router as checkpoints_router
+from service.code.router import router as code_router
 from service.config import Settings
 from service.dashboard.router import router as dashboard_router
 from service.db import Database, unavailable_reason
@@ -45,7 +46,6 @@ from service.wakeups.publish import freed_signal_path
 from service.wakeups.scheduler import FreedGpuFileWatcher, FreedGpuListener
 
 log = logging.getLogger("torchjobs.api")
-UPLOAD_PATHS = ("/v1/checkpoints",)
 DATABASE_RETRY_AFTER_S = 2
 
 
@@ -101,8 +101,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
     app.add_middleware(
         BodyLimitMiddleware,
         default_limit=settings.max_request_bytes,
-        upload_limit=settings.max_upload_bytes,
-        upload_paths=UPLOAD_PATHS,
+        upload_limits={"/v1/checkpoints": settings.max_upload_bytes, "/v1/code": settings.max_code_bytes},
     )
     install_metrics(app)
     _install_error_handlers(app)
@@ -120,6 +119,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         jobs_router,
         streams_router,
         checkpoints_router,
+        code_router,
         users_router,
         hosts_router,
         metrics_router,

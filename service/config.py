@@ -57,6 +57,15 @@ class Settings(BaseSettings):
     master_port_span: int = 2000
     max_request_bytes: int = 1_048_576
     max_upload_bytes: int = 8 * 1024**3
+    # Code archives (contract §6): compressed (a 413 past it), then unpacked bytes and members (422)
+    max_code_bytes: int = Field(256 * 1024**2, ge=1)
+    max_code_unpacked_bytes: int = Field(2 * 1024**3, ge=1)
+    max_code_members: int = Field(100_000, ge=1)
+    code_cache_max_bytes: int = 10 * 1024**3  # a worker's unpacked code, least recently used out first
+    # environment.pip (contract §6), built with uv on each worker host
+    env_cache_max_bytes: int = 20 * 1024**3
+    env_build_timeout_s: float = 900.0
+    env_installer_args: str = ""  # extra uv arguments, e.g. "--find-links /opt/wheels" or an index URL
     checkpoint_keep_last: int = Field(0, ge=0)  # per job; 0 keeps every checkpoint
     upload_validate_timeout_s: float = 300.0  # the subprocess that loads an upload with weights_only
     metrics_public: bool = False

@@ -29,6 +29,7 @@ from service.storage import Storage
 from workers import context
 from workers.celery_app import make_celery, queue_for
 from workers.context import WorkerContext
+from workers.environments import envs_root
 from workers.launcher import devices, sandbox
 from workers.launcher.command import code_folders, passthrough
 from workers.launcher.procs import kill_under
@@ -151,7 +152,9 @@ def run_worker(
     ctx.rank_base_env = passthrough(os.environ, settings.rank_env_allow)
     if ctx.isolation.sandboxed:  # the Python environment, script roots, a passed PYTHONPATH
         folders = code_folders(settings.script_root_paths, ctx.rank_base_env)
-        ctx.sandbox_read_only = (*sandbox.python_paths(sys.executable), *folders)
+        envs = envs_root(settings)  # built environments: every job reads its own, none writes
+        envs.mkdir(parents=True, exist_ok=True)
+        ctx.sandbox_read_only = (*sandbox.python_paths(sys.executable), *folders, str(envs))
     if kind == "cuda":
         ctx.gpu_ids = devices.slot_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), ctx.gpus)
         ctx.host_gpus = devices.nvidia_gpus()

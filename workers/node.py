@@ -8,17 +8,20 @@ import tempfile
 from pathlib import Path
 
 from service.checkpoints.recording import store_rank_checkpoint
+from service.code.service import storage_key
 from service.db import KeptConnection
 from service.errors import InvalidSpec
 from service.jobs import reports
 from service.jobs.lifecycle import Claimed, claim_for_launch, record_end
-from service.jobs.node_reports import NodeKey, NodeOutcome
+from service.jobs.node_reports import Batch, NodeKey, NodeOutcome
 from service.jobs.validation import resolve_script
 from service.states import NodeState
+from workers.code_cache import CodeUnavailable, unpacked_code
 from workers.context import WorkerContext
-from workers.launcher.command import NodeLaunch, build_launch
+from workers.environments import EnvironmentFailed, ensure_environment
+from workers.launcher.command import NodeLaunch, build_launch, environment_log_of
 from workers.launcher.devices import device_files
-from workers.launcher.supervisor import Hooks, NodeSupervisor
+from workers.launcher.supervisor import Hooks, NodeSupervisor, remove_run_dir
 
 log = logging.getLogger("torchjobs.worker")
 
@@ -54,8 +57,11 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         outcome = supervisor.run()
     except InvalidSpec as exc:
         outcome = NodeOutcome(state=NodeState.FAILED, error=f"node {node_rank}: {exc.detail[0]['msg']}")
-    except _ResumeError as exc:
+    except _NotReady as exc:
         outcome = NodeOutcome(state=NodeState.FAILED, error=f"node {node_rank}: {exc}")
+    except EnvironmentFailed as exc:  # not retried: the same requirements fail the same way
+        _store_build_log(node_db, key, run_dir)
+        outcome = NodeOutcome(state=NodeState.FAILED, error=f"environment: {exc}")
     except Exception as exc:  # the node must always report, whatever broke
         log.exception("job %s node %s crashed in the supervisor", job_id, node_rank)
         outcome = NodeOutcome(
@@ -66,6 +72,8 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
     record_end(ctx.db, key, outcome)
     if supervisor is not None:
         supervisor.cleanup()
+    else:
+        remove_run_dir(run_dir)
     log.info("job %s attempt %s node %s ended: %s", job_id, attempt, node_rank, outcome.state)
     return outcome.state
 
@@ -75,15 +83,17 @@ def _claim(ctx: WorkerContext, key: NodeKey) -> Claimed | None:
         return claim_for_launch(session, key, ctx.session_id)
 
 
-class _ResumeError(Exception):
+class _NotReady(Exception):
     pass
 
 
 def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -> NodeLaunch:
     fields = claimed.launch_fields
     entry = fields["entrypoint"]
-    script = None
-    if isinstance(entry, dict) and entry.get("kind") == "script":
+    script = code_dir = None
+    if claimed.code is not None:
+        code_dir = _code(ctx, claimed.code)
+    elif isinstance(entry, dict) and entry.get("kind") == "script":
         script = str(resolve_script(str(entry["path"]), ctx.settings.script_root_paths))
     resume_path = _fetch_resume(ctx, claimed.resume) if claimed.resume else None
     master_addr = str(fields.pop("master_addr"))
@@ -109,7 +119,39 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         read_only=ctx.sandbox_read_only,
         device_ids=device_ids,
         devices=device_files(device_ids, ctx.host_gpus) if cuda_sandbox else (),
+        code_dir=code_dir,
+        site_first=_environment(ctx, key, claimed.pip, run_dir) if claimed.pip else None,
     )
+
+
+def _environment(ctx: WorkerContext, key: NodeKey, pip: tuple[str, ...], run_dir: Path) -> str:
+    """Build (or find) the job's environment; its output waits beside the run folder for the
+    ranks' logs, and two events say that the node prepared it and how long it took."""
+    node = KeptConnection(ctx.db)
+    try:
+        reports.node_event(node, key, "environment", {"status": "preparing", "pip": list(pip)})
+        log_path = environment_log_of(run_dir)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        built = ensure_environment(ctx.settings, list(pip), log_path)
+        ready = {"status": "ready", "reused": built.reused, "seconds": round(built.seconds, 3)}
+        reports.node_event(node, key, "environment", ready)
+    finally:
+        node.close()
+    return str(built.site)
+
+
+def _store_build_log(node_db: KeptConnection, key: NodeKey, run_dir: Path) -> None:
+    """A failed build starts no rank: its output is stored as local rank 0's log."""
+    path = environment_log_of(run_dir)
+    if path.exists():
+        reports.write_batch(node_db, key, Batch(logs=[(0, 0, path.read_bytes()[-1024 * 1024 :])]))
+
+
+def _code(ctx: WorkerContext, sha: str) -> Path:
+    try:
+        return unpacked_code(ctx.settings, ctx.storage, sha, storage_key(sha))
+    except CodeUnavailable as exc:
+        raise _NotReady(str(exc)) from exc
 
 
 def _fetch_resume(ctx: WorkerContext, resume: tuple[int, str, str]) -> str:
@@ -126,10 +168,10 @@ def _fetch_resume(ctx: WorkerContext, resume: tuple[int, str, str]) -> str:
         got = ctx.storage.download_to(storage_key, str(partial))
     except OSError as exc:
         partial.unlink(missing_ok=True)
-        raise _ResumeError(f"could not fetch checkpoint {ckpt_id}: {exc.__class__.__name__}") from exc
+        raise _NotReady(f"could not fetch checkpoint {ckpt_id}: {exc.__class__.__name__}") from exc
     if got != sha:
         partial.unlink(missing_ok=True)
-        raise _ResumeError(f"checkpoint {ckpt_id} failed its SHA-256 check")
+        raise _NotReady(f"checkpoint {ckpt_id} failed its SHA-256 check")
     partial.chmod(0o644)  # readable by a sandbox's user (the cache folder itself is the worker's)
     partial.replace(target)
     prune_cache(cache, ctx.settings.cache_max_bytes, keep=target)

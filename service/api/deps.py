@@ -131,3 +131,13 @@ JobDep = Annotated[Job, Depends(caller_job)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DbDep = Annotated[Database, Depends(get_db)]
 StorageDep = Annotated[Storage, Depends(get_storage)]
+
+
+def brief_user(db: DbDep, creds: PresentedCreds) -> User:
+    """The caller, looked up in a short read of its own that ends before the handler runs: for
+    routes that stream a body, which must not hold a session (or SQLite's lock) meanwhile."""
+    with db.read() as session:
+        return current_user(session, creds)
+
+
+BriefUserDep = Annotated[User, Depends(brief_user)]

@@ -12,21 +12,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodyLimitMiddleware:
-    def __init__(
-        self, app: ASGIApp, *, default_limit: int, upload_limit: int, upload_paths: tuple[str, ...]
-    ) -> None:
-        self.app, self.default_limit, self.upload_limit, self.upload_paths = (
-            app,
-            default_limit,
-            upload_limit,
-            upload_paths,
-        )
+    def __init__(self, app: ASGIApp, *, default_limit: int, upload_limits: dict[str, int]) -> None:
+        """`upload_limits`: the paths whose body is a file, each with its own limit."""
+        self.app, self.default_limit, self.upload_limits = app, default_limit, upload_limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.upload_limit if scope["path"] in self.upload_paths else self.default_limit
+        limit = self.upload_limits.get(scope["path"], self.default_limit)
         declared = _content_length(scope)
         if declared is not None and declared > limit:
             await _reply_413(send, limit)

@@ -15,6 +15,7 @@ from pydantic import AfterValidator
 from starlette.requests import ClientDisconnect
 
 from service.api.deps import (
+    BriefUserDep,
     DbDep,
     JobDep,
     PresentedCreds,
@@ -26,17 +27,11 @@ from service.api.deps import (
 )
 from service.checkpoints import service
 from service.checkpoints.schemas import CheckpointList
-from service.models import Checkpoint, User
+from service.models import Checkpoint
 from service.schemas import MAX_ID, CheckpointOut, checkpoint_out, require_storable
 
 router = APIRouter(tags=["checkpoints"])
 CkptId = Annotated[int, Path(ge=1, le=MAX_ID)]
-
-
-def brief_user(db: DbDep, creds: PresentedCreds) -> User:
-    """The caller, looked up in a short read of its own that ends before the handler runs."""
-    with db.read() as session:
-        return current_user(session, creds)
 
 
 def caller_checkpoint(session: SessionDep, user: UserDep, ckpt_id: CkptId) -> Checkpoint:
@@ -48,9 +43,6 @@ def caller_checkpoint_brief(db: DbDep, creds: PresentedCreds, ckpt_id: CkptId) -
     (on SQLite, holding the write lock) for as long as the download."""
     with db.read() as session:
         return service.get_checkpoint(session, current_user(session, creds), ckpt_id)
-
-
-BriefUserDep = Annotated[User, Depends(brief_user)]
 
 
 @router.get("/v1/jobs/{job_id}/checkpoints", response_model=CheckpointList)

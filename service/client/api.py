@@ -13,11 +13,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from service.client.pack import pack_folder
 from service.states import JobState
 
 TERMINAL = tuple(str(s) for s in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED))
@@ -78,6 +80,26 @@ class Client:
 
     def get(self, job_id: int) -> dict[str, Any]:
         return self._get(f"/v1/jobs/{job_id}")
+
+    def push_code(self, folder: str | Path, name: str | None = None) -> dict[str, Any]:
+        """Pack a folder and upload it, unless the server already has these exact bytes."""
+        packed = pack_folder(Path(folder))
+        try:
+            return self.get_code(packed.sha256)
+        except ApiError as exc:
+            if exc.status_code != 404:
+                raise
+        return self.upload_code(packed.data, name or Path(folder).resolve().name)
+
+    def upload_code(self, data: bytes, name: str) -> dict[str, Any]:
+        headers = {"Content-Type": "application/gzip"}
+        return _json(self.http.post("/v1/code", params={"name": name}, content=data, headers=headers))
+
+    def get_code(self, code_id: str) -> dict[str, Any]:
+        return self._get(f"/v1/code/{code_id}")
+
+    def list_code(self) -> builtins.list[dict[str, Any]]:
+        return self._get("/v1/code")["items"]
 
     def list(self, state: str | None = None, limit: int = 50, cursor: str | None = None) -> dict[str, Any]:
         return self._get("/v1/jobs", state=state, limit=limit, cursor=cursor)

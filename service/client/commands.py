@@ -58,6 +58,14 @@ def make_client(url: str | None, token: str | None) -> Client:
     return Client(url or settings.url, token)
 
 
+def _push(client: Client, folder: Path, name: str | None = None) -> dict[str, Any]:
+    try:
+        return client.push_code(folder, name)
+    except OSError as exc:
+        console.print(f"[red]error[/red] {folder}: {exc}")
+        raise typer.Exit(2) from None
+
+
 def _emit(data: Any, output: str) -> None:
     typer.echo(json.dumps(data, indent=2, default=str))
 
@@ -140,6 +148,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         dataset: Annotated[str | None, typer.Option(help="builtin dataset")] = None,
         epochs: Annotated[int | None, typer.Option()] = None,
         name: Annotated[str | None, typer.Option()] = None,
+        workdir: Annotated[
+            Path | None,
+            typer.Option(help="pack this folder as the job's code (uploaded unless the server has it)"),
+        ] = None,
         url: UrlOpt = None,
         token: TokenOpt = None,
         output: OutputOpt = "table",
@@ -163,6 +175,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         spec = build_spec(file, set_ or [], flags)
         with make_client(url, token) as client:
             try:
+                if workdir is not None:
+                    spec["code"] = _push(client, workdir)["id"]
                 job = client.submit(spec)
             except ApiError as exc:
                 _fail(exc)
@@ -170,6 +184,50 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
             _emit(job, output)
         else:
             typer.echo(job["id"])
+
+    code_app = typer.Typer(
+        help="Your own code: upload a folder, list what you uploaded.", no_args_is_help=True
+    )
+    app.add_typer(code_app, name="code")
+
+    @code_app.command("push")
+    def code_push(
+        folder: Annotated[Path, typer.Argument(help="the folder to pack", exists=True, file_okay=False)],
+        name: Annotated[str | None, typer.Option(help="default: the folder's name")] = None,
+        url: UrlOpt = None,
+        token: TokenOpt = None,
+        output: OutputOpt = "table",
+    ) -> None:
+        """Pack and upload a folder (unless the server has it already); prints the code id."""
+        with make_client(url, token) as client:
+            try:
+                code = _push(client, folder, name)
+            except ApiError as exc:
+                _fail(exc)
+        _emit(code, output) if output == "json" else typer.echo(code["id"])
+
+    @code_app.command("ls")
+    def code_ls(url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table") -> None:
+        """Your uploaded code, newest first."""
+        with make_client(url, token) as client:
+            try:
+                items = client.list_code()
+            except ApiError as exc:
+                _fail(exc)
+        if output == "json":
+            _emit({"items": items}, output)
+            return
+        table = Table("id", "name", "files", "size", "unpacked", "created")
+        for c in items:
+            table.add_row(
+                c["id"][:12],
+                c["name"],
+                str(c["files"]),
+                str(c["size_bytes"]),
+                str(c["unpacked_bytes"]),
+                c["created_at"],
+            )
+        Console().print(table)
 
     @app.command("ls")
     def ls(

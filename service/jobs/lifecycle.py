@@ -44,6 +44,8 @@ class Claimed:
 
     launch_fields: dict[str, Any]
     resume: tuple[int, str, str] | None  # (checkpoint id, storage key, sha256)
+    code: str | None = None  # the job's uploaded code (its SHA-256), unpacked on the worker
+    pip: tuple[str, ...] = ()  # the job's environment.pip, built on the worker before its ranks
 
 
 def runs_of(session: Session, job_id: int, attempt: int) -> Sequence[NodeRun]:
@@ -201,7 +203,8 @@ def claim_for_launch(session: Session, key: NodeKey, worker_session: str) -> Cla
     resume = (latest.id, latest.storage_key, latest.sha256) if latest else None
     if latest is not None and key.node_rank == 0:
         job.progress = resumed_progress(job.progress, latest)
-    return Claimed(launch_fields=fields, resume=resume)
+    pip = tuple((job.environment or {}).get("pip") or ())
+    return Claimed(launch_fields=fields, resume=resume, code=job.code, pip=pip)
 
 
 def resumed_progress(progress: dict[str, Any] | None, ckpt: Checkpoint) -> dict[str, Any]:

@@ -69,6 +69,14 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
         return job.state, key.attempt
 
 
+def node_event(db: Transactions, key: NodeKey, type_: str, data: dict[str, Any]) -> None:
+    """One event of a node's own (its environment being built, then ready), for this attempt."""
+    with db.transaction() as session:
+        append_attempt_events(
+            session, key.job_id, key.attempt, [(type_, {"node_rank": key.node_rank, **data})]
+        )
+
+
 def _control(session: Session, job_id: int) -> JobControl | None:
     row = session.execute(select(Job.state, Job.attempt).where(Job.id == job_id)).one_or_none()
     return (row.state, row.attempt) if row else None

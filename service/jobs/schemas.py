@@ -60,6 +60,8 @@ class JobOut(BaseModel):
     attempt: int
     priority: int
     labels: dict[str, str]
+    code: str | None = None  # the uploaded Code the job runs in (contract §6)
+    environment: dict[str, Any] | None = None
     progress: Progress
     assignments: list[Assignment]
     latest_checkpoint: CheckpointOut | None

@@ -10,7 +10,17 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from service.schemas import MAX_ID, require_storable
 
@@ -103,6 +113,29 @@ class ResumeFrom(Input):
         return self
 
 
+def _requirement(item: str) -> str:
+    """One PEP 508 requirement specifier: no options, URLs, paths or editables (contract §6)."""
+    if item.lstrip().startswith("-"):
+        raise ValueError(f"{item!r}: installer options are not allowed, only requirement specifiers")
+    try:
+        req = Requirement(item)
+    except InvalidRequirement as exc:
+        raise ValueError(f"{item!r} is not a PEP 508 requirement specifier ({exc})") from None
+    if req.url:
+        raise ValueError(f"{item!r}: URLs and paths are not allowed, only requirement specifiers")
+    if canonicalize_name(req.name) in WORKER_OWN:
+        raise ValueError(f"{item!r}: {req.name} is the worker's own; the ranks always run the worker's torch")
+    return item.strip()
+
+
+WORKER_OWN = frozenset({"torch", "torchjobs"})
+PipItem = Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_requirement)]
+
+
+class Environment(Input):
+    pip: list[PipItem] = Field(default_factory=list, max_length=100)
+
+
 class JobSpec(Input):
     name: NAME | None = None
     mode: Literal["single", "dp", "ddp"]
@@ -115,6 +148,8 @@ class JobSpec(Input):
     priority: int = Field(0, ge=-1000, le=1000)
     env: dict[str, Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict, max_length=64)
     labels: dict[str, Annotated[str, Field(max_length=256)]] = Field(default_factory=dict, max_length=32)
+    code: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="an uploaded Code id")
+    environment: Environment | None = None
 
     @field_validator("nodes")
     @classmethod

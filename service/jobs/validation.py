@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.checkpoints.resume_check import ResumeFile, check_resumable, resume_file
+from service.code.service import usable_code
 from service.config import Settings
 from service.errors import InvalidSpec
 from service.jobs.spec import JobSpec, ScriptEntrypoint
@@ -29,6 +30,16 @@ def resolve_script(path: str, roots: list[Path]) -> Path:
         if inside and real.is_file():
             return real
     raise InvalidSpec(("entrypoint", "path"), "no such script inside the configured script roots")
+
+
+def check_code(session: Session, spec: JobSpec, user: User) -> None:
+    """The job's code is the submitter's own upload; a script names a file inside it."""
+    if spec.code is not None and usable_code(session, user, spec.code) is None:
+        raise InvalidSpec(("code",), "no such code")
+    if isinstance(spec.entrypoint, ScriptEntrypoint):
+        path = PurePosixPath(spec.entrypoint.path)
+        if path.is_absolute() or ".." in path.parts or "\\" in spec.entrypoint.path:
+            raise InvalidSpec(("entrypoint", "path"), "with code, a path relative to the code's root")
 
 
 def check_fits_cluster(session: Session, spec: JobSpec) -> None:
@@ -92,7 +103,9 @@ def resolve_resume(
 def validate_in_context(
     session: Session, settings: Settings, storage: Storage, spec: JobSpec, user: User
 ) -> int | None:
-    if isinstance(spec.entrypoint, ScriptEntrypoint):
+    if spec.code is not None:
+        check_code(session, spec, user)
+    elif isinstance(spec.entrypoint, ScriptEntrypoint):
         resolve_script(spec.entrypoint.path, settings.script_root_paths)
     check_fits_cluster(session, spec)
     return resolve_resume(session, settings, storage, spec, user)

@@ -2,6 +2,7 @@
 
 from service.models.base import Base, UTCDateTime, utcnow
 from service.models.checkpoints import Checkpoint
+from service.models.code import CodeArchive
 from service.models.jobs import GpuAllocation, Job, JobAttempt, JobEvent, LogChunk, NodeRun
 from service.models.users import User
 from service.models.workers import Worker
@@ -9,6 +10,7 @@ from service.models.workers import Worker
 __all__ = [
     "Base",
     "Checkpoint",
+    "CodeArchive",
     "GpuAllocation",
     "Job",
     "JobAttempt",

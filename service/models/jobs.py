@@ -40,6 +40,8 @@ class Job(Base):
     resume_from: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     resume_checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
     env: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
+    code: Mapped[str | None] = mapped_column(String(64))  # an uploaded CodeArchive's sha256
+    environment: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # {"pip": [...]}
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     max_retries: Mapped[int] = mapped_column(Integer, default=0)
     priority: Mapped[int] = mapped_column(Integer, default=0)

@@ -57,6 +57,8 @@ class NodeLaunch:
     read_only: tuple[str, ...] = ()  # inside a sandbox: the Python environment, script roots
     devices: tuple[str, ...] = ()  # inside a sandbox: the node's GPU device files
     device_ids: tuple[str, ...] = ()  # the physical GPUs of `gpus` (devices.slot_ids); default the same
+    code_dir: Path | None = None  # the job's unpacked code (contract §6), copied into the node's workdir
+    site_first: str | None = None  # the job's built environment.pip, first on the ranks' PYTHONPATH
 
     def __post_init__(self) -> None:
         if self.mode not in ("single", "dp", "ddp"):
@@ -65,8 +67,8 @@ class NodeLaunch:
             raise ValueError("node_rank outside [0, nnodes)")
         if not self.gpus:
             raise ValueError("a node needs at least one GPU slot")
-        if self.entrypoint.get("kind") == "script" and not self.script_path:
-            raise ValueError("a script entrypoint needs its resolved path")
+        if self.entrypoint.get("kind") == "script" and not (self.script_path or self.code_dir):
+            raise ValueError("a script entrypoint needs its resolved path, or the job's code")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +120,11 @@ class NodePaths:
     def env_file(self) -> Path:
         return self.run_dir / ENV_FILE
 
+    @property
+    def workdir(self) -> Path:
+        """The node's private, writable copy of the job's code: the ranks' working directory."""
+        return self.run_dir / "workdir"
+
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchPlan:
@@ -130,6 +137,7 @@ class LaunchPlan:
     owner: tuple[int, int] | None = None  # uid, gid the run folder is handed to (a root sandbox)
     inner_argv: list[str] = field(default_factory=list)  # in a sandbox: torchrun's own command line
     resume: str | None = None  # the resume file, on the worker's side
+    code_dir: Path | None = None  # the job's unpacked code, copied to `paths.workdir` by prepare()
 
     @property
     def sandboxed(self) -> bool:
@@ -140,6 +148,12 @@ class LaunchPlan:
         """What the started process itself gets: in a sandbox, bwrap gets nothing of the job's
         (the ranks' environment travels in `paths.env_file`)."""
         return {"PATH": SYSTEM_PATH} if self.sandboxed else self.env
+
+
+def environment_log_of(run_dir: Path) -> Path:
+    """The node's environment build output, beside its run folder (a warm sandbox's folder is
+    renamed into place at launch, after the build): every rank's log starts with it."""
+    return run_dir.with_name(run_dir.name + ".environment.log")
 
 
 def resume_dir_of(run_dir: Path) -> Path:
@@ -189,14 +203,17 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
     ]
     config = None
     if launch.entrypoint.get("kind") == "script":
-        assert launch.script_path is not None
-        argv += ["-m", "workers.runtime.script", launch.script_path, *launch.entrypoint.get("args", [])]
+        script = str(seen.workdir / launch.entrypoint["path"]) if launch.code_dir else launch.script_path
+        assert script is not None
+        argv += ["-m", "workers.runtime.script", script, *launch.entrypoint.get("args", [])]
     else:
         config = trainer_config(launch)
         argv += ["-m", "workers.runtime.train", "--config", str(seen.config)]
     env = rank_env(launch, seen)
     if not launch.isolation.sandboxed:
-        return LaunchPlan(argv=argv, env=env, cwd=launch.run_dir, paths=paths, config=config)
+        return LaunchPlan(
+            argv=argv, env=env, cwd=launch.run_dir, paths=paths, config=config, code_dir=launch.code_dir
+        )
     mounts = Mounts(
         run_dir=paths.run_dir,
         tmp_dir=paths.tmp,
@@ -215,6 +232,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         config=config,
         isolation=iso,
         owner=iso.owner,
+        code_dir=launch.code_dir,
     )
 
 
@@ -257,6 +275,10 @@ def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
         TMPDIR=str(paths.tmp),
         PYTHONUNBUFFERED="1",
     )
+    if launch.code_dir is not None:
+        env["TORCHJOBS_WORKDIR"] = str(paths.workdir)
+    if launch.site_first is not None:
+        env["PYTHONPATH"] = ":".join(filter(None, (launch.site_first, env.get("PYTHONPATH"))))
     if launch.resume_path:
         sandboxed = launch.isolation.sandboxed
         env["TORCHJOBS_RESUME_FROM"] = (

@@ -72,8 +72,9 @@ class RankLogs:
     never past the final look.
     """
 
-    def __init__(self, logs_dir: Path, local_rank: int) -> None:
+    def __init__(self, logs_dir: Path, local_rank: int, preface: Path | None = None) -> None:
         self.logs_dir, self.local_rank = logs_dir, local_rank
+        self.preface = preface  # read once, first: what happened on the node before the rank
         self.streams: list[FileTail] = []
         self.held: list[bytes] = []
         self.held_since: list[float] = []
@@ -98,7 +99,7 @@ class RankLogs:
         now = time.monotonic() if now is None else now
         start = self.offset
         self.backlog = False
-        parts = []
+        parts = [self._take_preface()]
         for i, tail in enumerate(self.streams):
             new = tail.read_new()
             drained = len(new) < MAX_READ
@@ -117,6 +118,13 @@ class RankLogs:
         data = b"".join(parts)
         self.offset += len(data)
         return start, data
+
+    def _take_preface(self) -> bytes:
+        path, self.preface = self.preface, None
+        try:
+            return path.read_bytes() if path is not None else b""
+        except OSError:
+            return b""
 
     def stderr_path(self) -> Path | None:
         self._find()

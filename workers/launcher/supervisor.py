@@ -23,7 +23,13 @@ from typing import Any
 
 from service.jobs.node_reports import END_WRITE_PATIENCE_S, Batch, JobControl, NodeKey, NodeOutcome
 from service.states import JobState, NodeState
-from workers.launcher.command import LaunchPlan, config_json, processes_per_node, resume_dir_of
+from workers.launcher.command import (
+    LaunchPlan,
+    config_json,
+    environment_log_of,
+    processes_per_node,
+    resume_dir_of,
+)
 from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, FoundCheckpoint, RankLogs, epoch_from_name
@@ -37,6 +43,7 @@ from workers.launcher.procs import (
 )
 from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.warm_pool import WarmAgentPool
+from workers.launcher.workdir import copy_code
 
 log = logging.getLogger("torchjobs.worker")
 POLL_S = 0.25
@@ -76,7 +83,8 @@ class NodeSupervisor:
         self.host = host  # "worker NAME (ADDRESS)", so a failure names the machine it happened on
         paths = plan.paths
         nproc = processes_per_node(mode, gpus)
-        self.rank_logs = [RankLogs(paths.logs, r) for r in range(nproc)]
+        preface = environment_log_of(paths.run_dir)
+        self.rank_logs = [RankLogs(paths.logs, r, preface) for r in range(nproc)]
         self.events = EventsTail(paths.events)
         self.checkpoints = CheckpointWatcher(paths.checkpoints)
         self.ckpt_meta: dict[str, dict[str, Any]] = {}
@@ -103,6 +111,8 @@ class NodeSupervisor:
             fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as fh:
                 json.dump(self.plan.env, fh)
+        if self.plan.code_dir is not None:
+            copy_code(self.plan.code_dir, paths.workdir, owner)
         if owner is not None:
             for path in (*folders, paths.env_file):
                 os.chown(path, *owner)
@@ -335,6 +345,7 @@ def remove_run_dir(run_dir: Path) -> None:
         shutil.rmtree(os.readlink(link), ignore_errors=True)
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(resume_dir_of(run_dir), ignore_errors=True)
+    environment_log_of(run_dir).unlink(missing_ok=True)
 
 
 def cold_agents() -> WarmAgentPool:

@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from workers.runtime.env import runtime_env
 from workers.runtime.preflight import run_preflight
+from workers.runtime.workdir import enter_workdir, import_first
 
 
 @record
@@ -32,6 +33,8 @@ def main(argv: list[str]) -> None:
     preflight()
     sys.argv = [str(path), *argv[1:]]
     sys.path[0] = str(path.resolve().parent)
+    enter_workdir()  # a job with its own code runs in its copy of it
+    import_first(path.resolve().parent)
     try:
         runpy.run_path(str(path), run_name="__main__")
     finally:

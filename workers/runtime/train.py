@@ -28,6 +28,7 @@ from workers.runtime.plan import RunPlan, make_plan
 from workers.runtime.preemption import ParentWatchdog, PreemptionFlag
 from workers.runtime.preflight import run_preflight
 from workers.runtime.trainer import Resume, Trainer, log
+from workers.runtime.workdir import enter_workdir, import_first
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if env.under_torchrun:
         ParentWatchdog(flag).start()
     config = load_config(args.config)
+    workdir = enter_workdir()  # a job with its own code: its factories import from its copy
+    if workdir is not None:
+        import_first(workdir)
     plan = make_plan(config, env, cuda_device_count=torch.cuda.device_count())
     preflight_s = run_preflight(env)
     if preflight_s is not None and env.rank == 0:

@@ -1,0 +1,212 @@
+"""Code archives over the API (contract §6): upload, dedup, ownership, and every hostile
+archive refused with the member named and nothing kept anywhere."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.config import Settings
+from service.migrate import upgrade
+
+TOKEN = "tj_code_admin_token_0123456789abcdef"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+BUILTIN = {"kind": "builtin", "model": "mlp", "dataset": "digits"}
+
+
+def archive(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
+    raw = io.BytesIO()
+    with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return raw.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info
+
+
+GOOD = archive((member("train.py"), b"print('hi')\n"), (member("pkg/__init__.py"), b""))
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    s = Settings(
+        home=tmp_path, admin_token=TOKEN, max_code_unpacked_bytes=64 * 1024**2, max_code_members=1000
+    )
+    upgrade(s)
+    return s
+
+
+@pytest.fixture
+def api(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings, scheduler=False)) as client:
+        yield client
+
+
+def user(api: TestClient, name: str) -> dict[str, str]:
+    created = api.post("/v1/users", json={"name": name}, headers=ADMIN)
+    assert created.status_code == 201, created.text
+    return {"Authorization": f"Bearer {created.json()['token']}"}
+
+
+def upload(api: TestClient, data: bytes, headers: dict[str, str], name: str = "proj") -> object:
+    return api.post(
+        "/v1/code",
+        params={"name": name},
+        content=data,
+        headers={**headers, "Content-Type": "application/gzip"},
+    )
+
+
+def nothing_kept(settings: Settings) -> None:
+    stored = [p for p in (settings.home / "checkpoints").rglob("*") if p.is_file()]
+    assert stored == []
+    partials = (
+        list((settings.home / "tmp" / "code").glob("*")) if (settings.home / "tmp" / "code").exists() else []
+    )
+    assert partials == []
+
+
+def test_upload_is_content_addressed_and_owned(api: TestClient) -> None:
+    ann, bob = user(api, "ann"), user(api, "bob")
+    first = upload(api, GOOD, ann)
+    assert first.status_code == 201, first.text
+    code = first.json()
+    assert code["id"] == hashlib.sha256(GOOD).hexdigest()
+    assert (code["name"], code["owner"], code["files"]) == ("proj", "ann", 2)
+    assert code["size_bytes"] == len(GOOD) and code["unpacked_bytes"] == len(b"print('hi')\n")
+    again = upload(api, GOOD, ann, name="other")
+    assert again.status_code == 200 and again.json() == code
+    assert api.get(f"/v1/code/{code['id']}", headers=ann).json() == code
+    assert api.get(f"/v1/code/{code['id']}", headers=bob).status_code == 404
+    assert api.get(f"/v1/code/{code['id']}", headers=ADMIN).json()["owner"] == "ann"
+    assert api.get("/v1/code/not-a-sha", headers=ann).status_code == 404
+    assert api.get("/v1/code", headers=bob).json() == {"items": []}
+    theirs = upload(api, GOOD, bob)
+    assert theirs.status_code == 201 and theirs.json()["owner"] == "bob"
+    newer = upload(api, archive((member("b.py"), b"2")), ann)
+    assert [c["id"] for c in api.get("/v1/code", headers=ann).json()["items"]] == [
+        newer.json()["id"],
+        code["id"],
+    ]
+    assert api.post("/v1/code", content=GOOD).status_code == 401
+
+
+def _fifo() -> tarfile.TarInfo:
+    return member("pipe", tarfile.FIFOTYPE)
+
+
+HOSTILE = {
+    "dotdot": (archive((member("../../x"), b"x")), "../../x"),
+    "absolute": (archive((member("/etc/x"), b"x")), "/etc/x"),
+    "symlink-out": (archive((member("link", tarfile.SYMTYPE, "/etc/passwd"), None)), "link"),
+    "symlink-up": (archive((member("a/link", tarfile.SYMTYPE, "../../etc/passwd"), None)), "a/link"),
+    "hardlink": (archive((member("f"), b"x"), (member("h", tarfile.LNKTYPE, "f"), None)), "h"),
+    "fifo": (archive((_fifo(), None)), "pipe"),
+    "device": (archive((member("dev", tarfile.CHRTYPE), None)), "dev"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_archive_is_refused_naming_the_member(
+    api: TestClient, settings: Settings, case: str
+) -> None:
+    data, name = HOSTILE[case]
+    answer = upload(api, data, ADMIN)
+    assert answer.status_code == 422, answer.text
+    assert name in answer.json()["detail"][0]["msg"]
+    assert api.get("/v1/code", headers=ADMIN).json() == {"items": []}
+    nothing_kept(settings)
+
+
+def test_a_gzip_bomb_stops_at_the_limit(api: TestClient, settings: Settings) -> None:
+    raw = io.BytesIO()
+    with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        info = member("zeros.bin")
+        info.size = 200 * 1024**2  # past the 64 MiB limit of this server
+        tar.addfile(info, io.BytesIO(bytes(info.size)))
+    bomb = raw.getvalue()
+    assert len(bomb) < 1024**2  # under 1 MB on the wire
+    answer = upload(api, bomb, ADMIN)
+    assert answer.status_code == 422 and "zeros.bin" in answer.json()["detail"][0]["msg"]
+    nothing_kept(settings)
+
+
+def test_too_many_members_and_bodies_that_are_not_archives(api: TestClient, settings: Settings) -> None:
+    many = archive(*((member(f"f{i}"), b"") for i in range(1001)))
+    answer = upload(api, many, ADMIN)
+    assert answer.status_code == 422 and "more than 1000 members" in answer.json()["detail"][0]["msg"]
+    for body in (b"not a tar at all", gzip.compress(b"not a tar either" * 100), b""):
+        answer = upload(api, body, ADMIN)
+        assert answer.status_code == 422, (body[:10], answer.text)
+    nothing_kept(settings)
+
+
+def test_past_the_compressed_limit_is_a_413(tmp_path: Path) -> None:
+    small = Settings(home=tmp_path, admin_token=TOKEN, max_code_bytes=1024)
+    upgrade(small)
+    with TestClient(create_app(small, scheduler=False)) as api:
+        answer = upload(api, archive((member("big"), os.urandom(4096))), ADMIN)  # incompressible
+        assert answer.status_code == 413
+        assert api.get("/v1/code", headers=ADMIN).json() == {"items": []}
+
+
+def job(**fields: object) -> dict[str, object]:
+    return {"mode": "single", "entrypoint": BUILTIN, **fields}
+
+
+def test_a_job_names_only_its_owners_code(api: TestClient) -> None:
+    ann, bob = user(api, "ann"), user(api, "bob")
+    code = upload(api, GOOD, ann).json()["id"]
+    accepted = api.post("/v1/jobs", json=job(code=code), headers=ann)
+    assert accepted.status_code == 201, accepted.text
+    assert accepted.json()["code"] == code
+    refused = api.post("/v1/jobs", json=job(code=code), headers=bob)
+    assert refused.status_code == 422 and refused.json()["detail"][0]["msg"] == "no such code"
+    assert refused.json()["detail"][0]["loc"] == ["body", "code"]
+    assert api.post("/v1/jobs", json=job(code="xyz"), headers=ann).status_code == 422
+    escape = {"kind": "script", "path": "../outside.py", "args": []}
+    answer = api.post("/v1/jobs", json=job(code=code, entrypoint=escape), headers=ann)
+    assert answer.status_code == 422 and answer.json()["detail"][0]["loc"] == ["body", "entrypoint", "path"]
+
+
+@pytest.mark.parametrize(
+    ("item", "why"),
+    [
+        ("torch==2.1", "worker's own"),
+        ("Torch", "worker's own"),
+        ("torchjobs", "worker's own"),
+        ("--index-url=https://example.com", "options"),
+        ("-e .", "options"),
+        ("git+https://example.com/x.git", "PEP 508"),
+        ("pkg @ https://example.com/pkg.whl", "URLs"),
+        ("./local", "PEP 508"),
+    ],
+)
+def test_pip_holds_requirement_specifiers_only(api: TestClient, item: str, why: str) -> None:
+    answer = api.post("/v1/jobs", json=job(environment={"pip": ["einops==0.8.2", item]}), headers=ADMIN)
+    assert answer.status_code == 422, answer.text
+    error = answer.json()["detail"][0]
+    assert error["loc"] == ["body", "environment", "pip", 1] and why in error["msg"]
+    assert api.get("/v1/jobs", headers=ADMIN).json()["items"] == []
+
+
+def test_pip_takes_at_most_a_hundred(api: TestClient) -> None:
+    answer = api.post("/v1/jobs", json=job(environment={"pip": [f"p{i}" for i in range(101)]}), headers=ADMIN)
+    assert answer.status_code == 422
+    ok = api.post("/v1/jobs", json=job(environment={"pip": ["einops==0.8.2"]}), headers=ADMIN)
+    assert ok.status_code == 201 and ok.json()["environment"] == {"pip": ["einops==0.8.2"]}

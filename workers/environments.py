@@ -1,0 +1,201 @@
+"""A job's `environment.pip` (contract §6), built once per requirement set and worker Python.
+
+The build layers the job's packages over the worker's own Python, never into it:
+
+1. `uv pip compile` resolves the requirements with every package the worker has pinned at its
+   installed version (torch above all). A requirement that would need another torch, or another
+   version of anything the worker holds, fails here with uv's own reason.
+2. What the resolution adds to the worker's packages is installed with `uv pip install
+   --no-deps --target` into a folder of its own, which the ranks put first on `PYTHONPATH`.
+
+Only wheels are taken (`--no-build`): building a source distribution would run its code with
+the worker's rights. Concurrent nodes with the same set wait on a file lock for one build; a
+finished environment is renamed into place whole, reused while it exists, and the least
+recently used ones are removed when the cache passes `TORCHJOBS_ENV_CACHE_MAX_BYTES`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from service.config import Settings
+from workers.code_cache import folder_bytes, locked
+
+READY = "site"  # the installed folder inside an environment; its presence means "built"
+
+
+class EnvironmentFailed(Exception):
+    """The build failed: the job fails with `environment: <reason>`, and is not retried."""
+
+
+@dataclass(frozen=True)
+class BuiltEnvironment:
+    site: Path  # first on the ranks' PYTHONPATH
+    reused: bool
+    seconds: float
+
+
+def envs_root(settings: Settings) -> Path:
+    return settings.cache_dir / "envs"
+
+
+@cache
+def worker_packages() -> dict[str, str]:
+    """The worker Python's installed distributions: {canonical name: version}."""
+    found: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            found.setdefault(canonicalize_name(name), dist.version)
+    return found
+
+
+def environment_key(requirements: list[str], installer_args: str) -> str:
+    fingerprint = {
+        "requirements": sorted(str(Requirement(r)) for r in requirements),
+        "python": sys.version,
+        "platform": platform.platform(),
+        "worker": sorted(worker_packages().items()),
+        "installer_args": installer_args,
+    }
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+
+
+def ensure_environment(settings: Settings, requirements: list[str], log: Path) -> BuiltEnvironment:
+    """The environment for these requirements, built now or found; its story goes to `log`."""
+    started = time.monotonic()
+    root = envs_root(settings)
+    root.mkdir(parents=True, exist_ok=True)
+    key = environment_key(requirements, settings.env_installer_args)
+    dest = root / key
+    reused = (dest / READY).is_dir()
+    if not reused:
+        with locked(root / f".{key}.lock"):
+            reused = (dest / READY).is_dir()  # another node built it while this one waited
+            if not reused:
+                _build(settings, requirements, dest, log)
+    os.utime(dest)
+    prune(root, settings.env_cache_max_bytes, keep=dest)
+    seconds = time.monotonic() - started
+    if reused:
+        _say(log, f"environment: reusing {key[:12]} ({len(requirements)} requirements)\n")
+    return BuiltEnvironment(site=dest / READY, reused=reused, seconds=seconds)
+
+
+def _build(settings: Settings, requirements: list[str], dest: Path, log: Path) -> None:
+    staging = dest.with_name(f".{dest.name}.building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        (staging / "requirements.in").write_text("\n".join(requirements) + "\n")
+        pins = sorted(f"{n}=={v}" for n, v in worker_packages().items() if n != "torchjobs")
+        (staging / "worker.txt").write_text("\n".join(pins) + "\n")
+        _say(log, f"environment: building for {', '.join(requirements)}\n")
+        _uv(
+            settings, log, "compile", "requirements.in", "-c", "worker.txt", "-o", "resolved.txt", cwd=staging
+        )
+        extra = _not_in_worker(staging / "resolved.txt")
+        (staging / "install.txt").write_text("\n".join(extra) + "\n")
+        if extra:
+            _uv(settings, log, "install", "--no-deps", "--target", READY, "-r", "install.txt", cwd=staging)
+        else:
+            (staging / READY).mkdir()
+        staging.rename(dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _uv(settings: Settings, log: Path, command: str, *args: str, cwd: Path) -> None:
+    argv = [
+        *uv_command(),
+        "pip",
+        command,
+        "--python",
+        sys.executable,
+        "--no-build",
+        *(["--no-header", "--no-annotate"] if command == "compile" else []),
+        *args,
+        *shlex.split(settings.env_installer_args),
+    ]
+    # The worker's own environment: the host's certificates, proxies and registry settings are
+    # the installer's too (uv is ours, and --no-build runs no package's code).
+    env = {
+        **os.environ,
+        "UV_CACHE_DIR": str(settings.cache_dir / "uv"),
+        "UV_NO_PROGRESS": "1",
+        "NO_COLOR": "1",
+    }
+    start = log.stat().st_size if log.exists() else 0
+    with log.open("ab") as out:
+        done = subprocess.run(
+            argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=settings.env_build_timeout_s
+        )
+    if done.returncode != 0:
+        raise EnvironmentFailed(_reason(log, start))
+
+
+def uv_command() -> list[str]:
+    beside = Path(sys.executable).parent / "uv"
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("uv")
+    return [found] if found else [sys.executable, "-m", "uv"]
+
+
+def _not_in_worker(resolved: Path) -> list[str]:
+    """The resolved pins the worker does not already have at that very version."""
+    have = worker_packages()
+    extra = []
+    for line in resolved.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        req = Requirement(line)
+        pinned = next((s.version for s in req.specifier if s.operator == "=="), None)
+        if have.get(canonicalize_name(req.name)) != pinned:
+            extra.append(line)
+    return extra
+
+
+def _reason(log: Path, start: int) -> str:
+    """uv's own words: the last lines it wrote this time, without blank ones."""
+    with log.open("rb") as fh:
+        fh.seek(start)
+        text = fh.read().decode(errors="replace")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return " ".join(lines[-6:])[-2000:] or "the installer failed"
+
+
+def _say(log: Path, text: str) -> None:
+    with log.open("a") as fh:
+        fh.write(text)
+
+
+def prune(root: Path, max_bytes: int, keep: Path) -> None:
+    """Least recently used environments go first, until the cache fits (the one in use stays).
+    A running node's ranks have imported what they need at start; one that starts later
+    builds again."""
+    envs = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p != keep]
+    sizes = {p: folder_bytes(p) for p in envs}
+    total = sum(sizes.values()) + folder_bytes(keep)
+    for env in sorted(envs, key=lambda p: p.stat().st_mtime):
+        if total <= max_bytes:
+            break
+        total -= sizes[env]
+        shutil.rmtree(env, ignore_errors=True)
