@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from bench.common import REPO, figure, print_figures, production_stack, workdir, write_result
-from tests import harness
+from service.testing import harness
 
 LUA = Path(__file__).with_name("wrk_report.lua")
 CONNECTIONS = 32

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests import harness  # noqa: E402
+from service.testing import harness  # noqa: E402
 
 # harness.make_env sets short test intervals; a benchmark runs with the product's defaults,
 # because those are part of what a user waits for (e.g. the scheduler's pass interval).

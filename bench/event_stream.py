@@ -3,7 +3,7 @@
     python bench/event_stream.py            # full: 1, 50 and 200 streams; both setups
     python bench/event_stream.py --smoke    # a quick run: 1 and 10 streams, shorter jobs
 
-It starts real stacks with tests/harness.py (PostgreSQL + Redis; and with the full run also the
+It starts real stacks with service/testing/harness.py (PostgreSQL + Redis; and with the full run also the
 embedded SQLite setup), runs tests/scripts/progress.py under torchrun and measures:
 
 * event lag: from the rank's write of a progress report (`t_write`, its wall clock, inside the
@@ -32,8 +32,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests import harness  # noqa: E402
-from tests.service.streams.sse import auth, script_job  # noqa: E402
+from service.testing import harness  # noqa: E402
+from service.testing.harness import auth, script_job  # noqa: E402
 
 STATS_FLUSH_S = 11.0  # PostgreSQL 15 backends publish their counters at least every 10 s
 

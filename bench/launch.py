@@ -56,7 +56,7 @@ from bench.common import (
     workdir,
     write_result,
 )
-from tests import harness
+from service.testing import harness
 
 BASE_HYPER = {
     "batch_size": 64,

@@ -37,7 +37,7 @@ from typing import Any
 
 from bench.common import REPO, bench_env, figure, print_figures, workdir, write_result
 from bench.launch import launch_job, long_job, run_bare, run_service
-from tests import harness
+from service.testing import harness
 from workers.launcher import sandbox
 from workers.launcher.sandbox import ENV_FILE, RUN_DIR, Mounts
 

@@ -45,7 +45,7 @@ from bench.common import (
     workdir,
     write_result,
 )
-from tests import harness
+from service.testing import harness
 
 # (share of the jobs, nodes, gpus_per_node, mode)
 JOB_MIX = (

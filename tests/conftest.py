@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import harness
+from service.testing import harness
 
 _redis_db = itertools.count(1)
 

@@ -50,6 +50,11 @@ def test_a_boundary_holds(code: str, forbidden: tuple[str, ...], ours_allowed: t
     assert strays == []
 
 
+def test_the_server_and_the_workers_never_load_the_test_helpers() -> None:
+    modules = loaded_after("import service.app, workers.agent, workers.node")
+    assert [m for m in modules if m.startswith(("service.testing", "tests"))] == []
+
+
 def test_the_probe_sees_a_leak() -> None:
     """The check itself can fail: the server's app does load the database stack."""
     modules = loaded_after("import service.jobs.lifecycle")

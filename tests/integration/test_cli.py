@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import harness
-from tests.harness import Stack
+from service.testing import harness
+from service.testing.harness import Stack
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "digits-ddp.yaml"
 

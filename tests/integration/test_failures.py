@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import harness
-from tests.harness import Stack, pids_of_job, wait_event, wait_for
+from service.testing import harness
+from service.testing.harness import Stack, pids_of_job, wait_event, wait_for
 
 LONG = {"kind": "builtin", "model": "cnn", "dataset": "synthetic"}
 # A single-process job of some seconds: long enough to disturb something while it runs.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests import harness
+from service.testing import harness
 
 
 def test_server_and_worker_log_json_with_job_ids(tmp_path: Path, pg_url: str, redis_url: str) -> None:

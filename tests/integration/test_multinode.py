@@ -18,8 +18,8 @@ from urllib.parse import urlparse
 import pytest
 import torch
 
-from tests import harness
-from tests.harness import Stack, pids_of_job, wait_for
+from service.testing import harness
+from service.testing.harness import Stack, pids_of_job, wait_for
 from tests.netns import Network, netns_available
 
 DIGITS = {"kind": "builtin", "model": "cnn", "dataset": "digits"}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from tests import harness
+from service.testing import harness
 
 TRAIN = """
 import os

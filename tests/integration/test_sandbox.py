@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import harness
-from tests.harness import ADMIN_TOKEN, SCRIPTS, Stack
+from service.testing import harness
+from service.testing.harness import ADMIN_TOKEN, SCRIPTS, Stack
 
 STORAGE_SECRET = "tj-storage-secret-5f0c9a1e"
 FACTORY_DIR = Path(__file__).parent.parent / "sandbox_code"

@@ -11,7 +11,7 @@ import hashlib
 import pytest
 import torch
 
-from tests.harness import Stack
+from service.testing.harness import Stack
 
 BUILTIN = {"kind": "builtin", "model": "cnn", "dataset": "digits"}
 HYPER = {"epochs": 2, "batch_size": 64, "report_every": 5}  # num_workers: the default, 2

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 
-from tests import harness
-from tests.harness import pids_of_job, wait_event
+from service.testing import harness
+from service.testing.harness import pids_of_job, wait_event
 
 
 def test_ctrl_c_stops_everything_cleanly(tmp_path: Path) -> None:

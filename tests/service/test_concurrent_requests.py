@@ -13,7 +13,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from tests import harness
+from service.testing import harness
 
 CLIENTS = 150  # more than the thread pool (40) and the connection pool (30) together
 ROUNDS = 3

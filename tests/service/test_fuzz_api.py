@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import harness
-from tests.harness import Stack
+from service.testing import harness
+from service.testing.harness import Stack
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests import harness
-from tests.harness import Stack
+from service.testing import harness
+from service.testing.harness import Stack
 
 NASTY = {
     "nul": "a\x00b",

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from service.parent_death import PARENT_GONE_EXIT, dying_with_parent
-from tests.harness import wait_for
+from service.testing.harness import wait_for
 
 SLEEPER = textwrap.dedent(
     """

@@ -16,8 +16,8 @@ import pytest
 
 from service.app import create_app
 from service.config import Settings
-from tests import harness
-from tests.harness import Stack
+from service.testing import harness
+from service.testing.harness import Stack
 
 OPEN_PATHS = {"/healthz"}
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from service.storage import Storage
-from tests import harness
+from service.testing import harness
 
 UPLOAD_LIMIT = 8 * 1024 * 1024
 KEEP_LAST = 2

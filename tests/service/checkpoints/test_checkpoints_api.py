@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests import harness
+from service.testing import harness
 from tests.service.checkpoints.conftest import KEEP_LAST, UPLOAD_LIMIT, CkptStack
 
 assert KEEP_LAST == 2

@@ -25,8 +25,8 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import harness
-from tests.harness import ADMIN_TOKEN, TERMINAL, Stack, wait_for
+from service.testing import harness
+from service.testing.harness import ADMIN_TOKEN, TERMINAL, Stack, wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 ARTIFACTS = REPO / "test-artifacts"

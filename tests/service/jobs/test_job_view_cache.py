@@ -30,8 +30,8 @@ from service.jobs.view_cache import CachedView, ViewCache
 from service.jobs.view_feed import install_commit_invalidation
 from service.migrate import upgrade
 from service.models import Job, JobAttempt, User
+from service.testing.harness import wait_for
 from tests.factories import make_job, set_job_state
-from tests.harness import wait_for
 
 TOKEN = "tj_view_cache_admin_token_0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

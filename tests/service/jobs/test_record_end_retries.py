@@ -18,8 +18,8 @@ from service.jobs.node_reports import NodeKey, NodeOutcome
 from service.migrate import upgrade
 from service.models import Job
 from service.states import NodeState
+from service.testing.harness import PG_ADMIN_URL
 from tests.factories import make_job, make_node_run, make_user
-from tests.harness import PG_ADMIN_URL
 
 
 @pytest.fixture

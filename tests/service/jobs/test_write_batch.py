@@ -19,8 +19,8 @@ from service.jobs.node_reports import Batch, NodeKey
 from service.jobs.reports import write_batch
 from service.migrate import upgrade
 from service.models import Job, JobEvent
+from service.testing.harness import PG_ADMIN_URL
 from tests.factories import make_job, make_user, set_job_state
-from tests.harness import PG_ADMIN_URL
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

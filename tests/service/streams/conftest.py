@@ -1,4 +1,4 @@
-"""The two real stacks of tests/harness.py, shared by this package's modules, with the stream
+"""The two real stacks of service/testing/harness.py, shared by this package's modules, with the stream
 settings turned down so that tests see keep-alives in a second instead of fifteen.
 
 On PostgreSQL + Redis the streams' own recheck timer is set far beyond any test's patience:
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import harness
+from service.testing import harness
 
 STREAM_ENV = {"TORCHJOBS_SSE_PING_S": "1"}
 REDIS_DB = 14

@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 
-from tests import harness
+from service.testing import harness
+from service.testing.harness import auth, script_job  # noqa: F401 - the streams tests take them from here
 
 STREAM_TIMEOUT = httpx.Timeout(10.0, read=120.0)
 
@@ -80,19 +81,6 @@ async def read_sse(
                 elif name == "id":
                     event_id = value
         return got
-
-
-def auth(token: str = harness.ADMIN_TOKEN) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-def script_job(path: str, *args: str, name: str | None = None) -> dict[str, Any]:
-    return {
-        "name": name or path.removesuffix(".py"),
-        "mode": "single",
-        "gpus_per_node": 1,
-        "entrypoint": {"kind": "script", "path": path, "args": list(args)},
-    }
 
 
 def is_terminal(event: dict[str, Any]) -> bool:

@@ -14,7 +14,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.harness import ADMIN_TOKEN, Stack
+from service.testing.harness import ADMIN_TOKEN, Stack
 from tests.service.streams.sse import Received, auth, is_terminal, read_sse, script_job
 
 

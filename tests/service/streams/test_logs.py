@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from service.client import Client
-from tests import harness
-from tests.harness import ADMIN_TOKEN, Stack
+from service.testing import harness
+from service.testing.harness import ADMIN_TOKEN, Stack
 from tests.service.streams.sse import DroppingProxy, Received, auth, read_sse, script_job
 
 PAGE = 1_048_576

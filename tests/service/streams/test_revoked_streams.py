@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import harness
-from tests.harness import Stack
+from service.testing import harness
+from service.testing.harness import Stack
 
 LONG = {"mode": "single", "entrypoint": {"kind": "script", "path": "progress.py", "args": ["1200", "0.05"]}}
 

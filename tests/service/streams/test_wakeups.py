@@ -15,10 +15,10 @@ from sqlalchemy.orm import sessionmaker
 from service.config import Settings
 from service.errors import InvalidSpec
 from service.streams.service import start_position, utf8_cut
+from service.testing import harness
 from service.wakeups.hub import WakeupHub
 from service.wakeups.message import NOTIFY_EVENTS, channel_for, decode, mark_logs
 from service.wakeups.publish import install_publisher
-from tests import harness
 
 REDIS_DB = 13
 

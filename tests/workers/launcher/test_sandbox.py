@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from service.jobs.node_reports import NodeKey
-from tests.harness import free_port
+from service.testing.harness import free_port
 from workers.launcher import procs, sandbox
 from workers.launcher.command import NodeLaunch, build_launch, resume_dir_of
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from service.testing.harness import free_port
 from workers.launcher.procs import pids_under
 from workers.launcher.supervisor import cold_agents, warm_agents
 from workers.launcher.warm_pool import WarmAgentPool

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_port
+from service.testing.harness import free_port
 from workers.runtime.exiting import run_then_exit
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_exit_after_barrier.py"

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.harness import free_port
+from service.testing.harness import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 

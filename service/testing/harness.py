@@ -21,11 +21,13 @@ from typing import Any
 
 import httpx
 
+from service.states import JobState
+
 PG_ADMIN_URL = os.environ.get("TORCHJOBS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("TORCHJOBS_TEST_REDIS", "redis://127.0.0.1:6379")
 ADMIN_TOKEN = "tj_test_admin_token_0123456789abcdef"
-TERMINAL = ("succeeded", "failed", "cancelled")
-SCRIPTS = Path(__file__).parent / "scripts"
+TERMINAL = tuple(str(s) for s in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED))
+SCRIPTS = Path(__file__).resolve().parents[2] / "tests" / "scripts"  # a source checkout's
 
 
 def free_port() -> int:
@@ -266,7 +268,9 @@ def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
     needle = f"TORCHJOBS_JOB_ID={job_id}".encode()
     where = f"TORCHJOBS_CHECKPOINT_DIR={home}".encode() if home else b""
     sandboxes = {ns: run_dir for ns, (_outer, run_dir) in sandbox_run_dirs().items()}
-    found, members, named = [], {}, set()
+    found: list[int] = []
+    members: dict[str, list[int]] = {}
+    named: set[str] = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -315,3 +319,17 @@ def wait_event(
         f"an event of job {job_id}",
         interval=0.3,
     )
+
+
+def auth(token: str = ADMIN_TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def script_job(path: str, *args: str, name: str | None = None) -> dict[str, Any]:
+    """A single-GPU job running one of tests/scripts."""
+    return {
+        "name": name or path.removesuffix(".py"),
+        "mode": "single",
+        "gpus_per_node": 1,
+        "entrypoint": {"kind": "script", "path": path, "args": list(args)},
+    }
