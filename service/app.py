@@ -103,7 +103,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         default_limit=settings.max_request_bytes,
         upload_limits={"/v1/checkpoints": settings.max_upload_bytes, "/v1/code": settings.max_code_bytes},
     )
-    install_metrics(app)
+    app.state.metrics = install_metrics(app)
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["health"])

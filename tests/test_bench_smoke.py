@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "test-artifacts" / "bench" / "smoke"
 DOC = REPO / "docs" / "benchmarks.md"
-BENCHMARKS = ("trainer", "launch", "sandbox", "api", "scheduler", "events", "checkpoint")
+BENCHMARKS = ("trainer", "launch", "sandbox", "environment", "api", "scheduler", "events", "checkpoint")
 
 
 def _stat(path: Path) -> tuple[int, int] | None:

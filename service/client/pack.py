@@ -50,7 +50,7 @@ def _ignored(folder: Path) -> pathspec.PathSpec:
     ignore = folder / IGNORE_FILE
     if ignore.is_file():
         lines += ignore.read_text().splitlines()
-    return pathspec.PathSpec.from_lines("gitwildmatch", lines)
+    return pathspec.PathSpec.from_lines("gitignore", lines)
 
 
 def _members(folder: Path, ignored: pathspec.PathSpec) -> list[str]:

@@ -16,13 +16,14 @@ from service.metrics.middleware import RequestLatencyMiddleware
 router = APIRouter(tags=["metrics"])
 
 
-def install(app: FastAPI) -> None:
-    """Give the app its own registry and time every request; call once, in `create_app`."""
+def install(app: FastAPI) -> AppMetrics:
+    """The app's own registry, timing every request; call once, in `create_app`, which keeps it
+    on `app.state` (service/app.py owns app.state)."""
     metrics = AppMetrics(
         database=lambda: app.state.db, view_cache=lambda: getattr(app.state, "view_cache", None)
     )
-    app.state.metrics = metrics
     app.add_middleware(RequestLatencyMiddleware, histogram=metrics.http_latency)
+    return metrics
 
 
 def scrape_allowed(

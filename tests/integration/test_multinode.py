@@ -199,3 +199,36 @@ def test_more_gpus_per_node_than_any_worker_is_422(production: Stack) -> None:
         assert resp.status_code == 422 and resp.json()["detail"][0]["loc"] == ["body", "gpus_per_node"]
         resp = c.post("/v1/jobs", json={"mode": "ddp", "nodes": 2, "gpus_per_node": 1, "entrypoint": DIGITS})
         assert resp.status_code == 422 and resp.json()["detail"][0]["loc"] == ["body", "nodes"]
+
+
+def test_own_code_with_its_environment_across_two_hosts(two_hosts, tmp_path: Path) -> None:
+    """Contract §6 on two hosts: each node unpacks the uploaded code, builds (or finds) the
+    environment and runs the script in its own copy."""
+    from service.client import Client
+    from service.config import Settings
+    from tests.integration.test_own_code import project
+    from workers.environments import ensure_environment
+
+    stack, net, env = two_hosts
+    for name in ("hosta", "hostb"):
+        stack.start_worker(name, 1, address=net.add_host(name), extra_env=env, netns=net.namespace(name))
+    with Client(stack.url, harness.ADMIN_TOKEN) as client:
+        code = client.push_code(project(tmp_path))
+    # No registry is reachable from inside the namespaces: the set is built once from outside,
+    # into the cache the two "hosts" share here, and each node finds it ready.
+    ensure_environment(Settings(home=stack.home), ["tabulate==0.10.0"], tmp_path / "build.log")
+    spec = {
+        "mode": "ddp",
+        "nodes": 2,
+        "gpus_per_node": 1,
+        "entrypoint": {"kind": "script", "path": "train.py", "args": []},
+        "code": code["id"],
+        "environment": {"pip": ["tabulate==0.10.0"]},
+    }
+    done = stack.wait_job(stack.submit(spec)["id"], timeout=300)
+    assert done["state"] == "succeeded", stack.describe(done["id"])
+    assert {a["worker"] for a in done["assignments"]} == {"hosta", "hostb"}
+    with stack.client() as c:
+        logs = [c.get(f"/v1/jobs/{done['id']}/logs", params={"node": n}).text for n in (0, 1)]
+    for log in logs:
+        assert "environment: reusing" in log and "their own workers package; their __init__ ran; 42" in log

@@ -668,6 +668,10 @@
       facts.push(["waiting", `${job.pending_reason || "for the scheduler"} (position ${job.queue_position ?? "?"})`]);
     }
     if (job.exit_code !== null && job.exit_code !== undefined) facts.push(["exit code", String(job.exit_code)]);
+    if (job.code) facts.push(["code", job.code]);
+    if (job.environment && (job.environment.pip || []).length) {
+      facts.push(["environment", `pip: ${job.environment.pip.join(" ")}`]);
+    }
     if (job.hyperparameters) {
       facts.push(["hyperparameters", Object.entries(job.hyperparameters).map(([k, v]) => `${k}=${v}`).join(" ")]);
     }

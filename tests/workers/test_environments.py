@@ -1,0 +1,64 @@
+"""environment.pip builds (workers/environments.py) with the real uv and the real registry."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from service.config import Settings
+from workers.environments import EnvironmentFailed, ensure_environment, worker_packages
+
+FIND_LINKS = Path("/opt/wheels")  # where this machine's CPU torch comes from (see README)
+
+
+def settings(home: Path) -> Settings:
+    args = f"--find-links {FIND_LINKS}" if FIND_LINKS.is_dir() else ""
+    return Settings(home=home, env_installer_args=args)
+
+
+def test_concurrent_nodes_wait_for_one_build_then_reuse_it(tmp_path: Path) -> None:
+    s = settings(tmp_path)
+    logs = [tmp_path / f"node{i}.log" for i in range(3)]
+    results: list[object] = [None] * 3
+
+    def node(i: int) -> None:
+        results[i] = ensure_environment(s, ["tabulate==0.10.0"], logs[i])
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    built = [r for r in results if r is not None and not r.reused]  # type: ignore[attr-defined]
+    assert len(built) == 1  # one build; the other two waited for it and found it
+    sites = {r.site for r in results}  # type: ignore[attr-defined]
+    assert len(sites) == 1 and (next(iter(sites)) / "tabulate-0.10.0.dist-info").is_dir()
+    text = "".join(log.read_text() for log in logs)
+    assert text.count("environment: building") == 1 and text.count("environment: reusing") == 2
+    assert not list((s.cache_dir / "envs").glob(".*building*"))
+
+
+def test_what_the_worker_has_is_not_installed_again(tmp_path: Path) -> None:
+    version = worker_packages()["packaging"]
+    built = ensure_environment(settings(tmp_path), [f"packaging=={version}"], tmp_path / "log")
+    assert list(built.site.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("requirement", "reason"),
+    [
+        ("torchvision==0.19.0", "torch"),  # it needs torch 2.4.0: the worker's torch stays
+        (f"packaging=={'0.1'}", "packaging"),  # another version of one of the worker's packages
+        ("nosuchpackage-torchjobs-xyz==1.0", "not found"),
+    ],
+)
+def test_a_build_that_cannot_be_made_fails_with_uvs_reason(
+    tmp_path: Path, requirement: str, reason: str
+) -> None:
+    s = settings(tmp_path)
+    with pytest.raises(EnvironmentFailed) as failed:
+        ensure_environment(s, [requirement], tmp_path / "log")
+    assert reason in str(failed.value) and "unsatisfiable" in str(failed.value)
+    assert [p for p in (s.cache_dir / "envs").iterdir() if not p.name.startswith(".")] == []
