@@ -78,7 +78,10 @@ def folder_bytes(folder: Path) -> int:
 
 
 def prune(cache: Path, max_bytes: int, keep: Path) -> None:
-    """Least recently used folders go first, until the cache fits (the one in use stays)."""
+    """Least recently used folders go first, until the cache fits (the one in use stays; names
+    starting with "." are work in progress). Both the code and the environment caches use it:
+    a node copies its code and its ranks import their packages at start, so a folder removed
+    later is rebuilt by the next node that needs it, never pulled from under a running one."""
     folders = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".") and p != keep]
     sizes = {p: folder_bytes(p) for p in folders}
     total = sum(sizes.values()) + folder_bytes(keep)

@@ -34,7 +34,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from service.config import Settings
-from workers.code_cache import folder_bytes, locked
+from workers.code_cache import locked, prune
 
 READY = "site"  # the installed folder inside an environment; its presence means "built"
 
@@ -185,17 +185,3 @@ def _reason(log: Path, start: int) -> str:
 def _say(log: Path, text: str) -> None:
     with log.open("a") as fh:
         fh.write(text)
-
-
-def prune(root: Path, max_bytes: int, keep: Path) -> None:
-    """Least recently used environments go first, until the cache fits (the one in use stays).
-    A running node's ranks have imported what they need at start; one that starts later
-    builds again."""
-    envs = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and p != keep]
-    sizes = {p: folder_bytes(p) for p in envs}
-    total = sum(sizes.values()) + folder_bytes(keep)
-    for env in sorted(envs, key=lambda p: p.stat().st_mtime):
-        if total <= max_bytes:
-            break
-        total -= sizes[env]
-        shutil.rmtree(env, ignore_errors=True)

@@ -8,17 +8,13 @@ and write in short transactions of their own, and do the slow work outside any.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import format_datetime
-from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -29,10 +25,11 @@ from service.checkpoints.recording import record_checkpoint
 from service.checkpoints.upload_check import UploadRefused, check_upload
 from service.config import Settings
 from service.db import Database
-from service.errors import Conflict, InvalidSpec, NotFound, RangeNotSatisfiable, TooLarge
+from service.errors import Conflict, InvalidSpec, NotFound, RangeNotSatisfiable
 from service.models import Checkpoint, Job, User
 from service.schemas import CheckpointOut, checkpoint_out
 from service.storage import CHUNK, Storage
+from service.uploads import receive
 
 log = logging.getLogger("torchjobs.checkpoints")
 _UNSAFE_KEY_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
@@ -224,7 +221,7 @@ async def create_upload(
     token = uuid.uuid4().hex
     partial = folder / f"{token}.partial"
     try:
-        size, sha = await _receive(chunks, partial, settings.max_upload_bytes)
+        size, sha = await receive(chunks, partial, settings.max_upload_bytes)
         if size == 0:
             raise InvalidSpec((), "the upload is empty")
         try:
@@ -274,36 +271,6 @@ def _validation_slots() -> anyio.CapacityLimiter:
 def _record(db: Database, ckpt: Checkpoint) -> Checkpoint:
     with db.transaction() as session:
         return record_checkpoint(session, ckpt)
-
-
-async def _receive(chunks: AsyncIterator[bytes], path: Path, limit: int) -> tuple[int, str]:
-    """Write the body to `path`, 1 MiB at a time from a worker thread; (size, sha256)."""
-    digest, size = hashlib.sha256(), 0
-    buffer = bytearray()
-    fh = await anyio.to_thread.run_sync(open, path, "wb")
-    try:
-        async for chunk in chunks:
-            size += len(chunk)
-            if size > limit:
-                raise TooLarge(f"the upload is larger than {limit} bytes")
-            buffer += chunk
-            if len(buffer) >= CHUNK:
-                data, buffer = buffer, bytearray()
-                await anyio.to_thread.run_sync(_write, fh, digest, data)
-        await anyio.to_thread.run_sync(_write, fh, digest, buffer, True)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(fh.close)
-    return size, digest.hexdigest()
-
-
-def _write(fh: Any, digest: Any, data: bytearray, last: bool = False) -> None:
-    if data:
-        digest.update(data)
-        fh.write(data)
-    if last:
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _key_part(name: str) -> str:

@@ -6,13 +6,15 @@ Every command takes `--output json` for scripts. `watch` exits 0 when the job su
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
+from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import httpx
 import typer
@@ -70,7 +72,17 @@ def _emit(data: Any, output: str) -> None:
     typer.echo(json.dumps(data, indent=2, default=str))
 
 
-def _fail(exc: ApiError) -> None:
+@contextlib.contextmanager
+def api(url: str | None, token: str | None) -> Iterator[Client]:
+    """A client for one command; an API error ends the command with exit 2 and the reason."""
+    with make_client(url, token) as client:
+        try:
+            yield client
+        except ApiError as exc:
+            _fail(exc)
+
+
+def _fail(exc: ApiError) -> NoReturn:
     detail = exc.detail
     if isinstance(detail, list):
         for err in detail:
@@ -173,13 +185,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
                 }
             )
         spec = build_spec(file, set_ or [], flags)
-        with make_client(url, token) as client:
-            try:
-                if workdir is not None:
-                    spec["code"] = _push(client, workdir)["id"]
-                job = client.submit(spec)
-            except ApiError as exc:
-                _fail(exc)
+        with api(url, token) as client:
+            if workdir is not None:
+                spec["code"] = _push(client, workdir)["id"]
+            job = client.submit(spec)
         if output == "json":
             _emit(job, output)
         else:
@@ -199,21 +208,15 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         output: OutputOpt = "table",
     ) -> None:
         """Pack and upload a folder (unless the server has it already); prints the code id."""
-        with make_client(url, token) as client:
-            try:
-                code = _push(client, folder, name)
-            except ApiError as exc:
-                _fail(exc)
+        with api(url, token) as client:
+            code = _push(client, folder, name)
         _emit(code, output) if output == "json" else typer.echo(code["id"])
 
     @code_app.command("ls")
     def code_ls(url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table") -> None:
         """Your uploaded code, newest first."""
-        with make_client(url, token) as client:
-            try:
-                items = client.list_code()
-            except ApiError as exc:
-                _fail(exc)
+        with api(url, token) as client:
+            items = client.list_code()
         if output == "json":
             _emit({"items": items}, output)
             return
@@ -238,11 +241,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         output: OutputOpt = "table",
     ) -> None:
         """List jobs, newest first."""
-        with make_client(url, token) as client:
-            try:
-                page = client.list(state=state, limit=limit)
-            except ApiError as exc:
-                _fail(exc)
+        with api(url, token) as client:
+            page = client.list(state=state, limit=limit)
         if output == "json":
             _emit(page, output)
             return
@@ -266,20 +266,14 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
     @app.command()
     def show(job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "json") -> None:
         """Show one job."""
-        with make_client(url, token) as client:
-            try:
-                _emit(client.get(job_id), output)
-            except ApiError as exc:
-                _fail(exc)
+        with api(url, token) as client:
+            _emit(client.get(job_id), output)
 
     @app.command()
     def watch(job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table") -> None:
         """Follow a job live until it ends; the exit code says how it ended."""
-        with make_client(url, token) as client:
-            try:
-                final = _watch(client, job_id, output)
-            except ApiError as exc:
-                _fail(exc)
+        with api(url, token) as client:
+            final = _watch(client, job_id, output)
         raise typer.Exit(EXIT_BY_STATE.get(JobState(final), 1))
 
     @app.command()
@@ -293,20 +287,14 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         token: TokenOpt = None,
     ) -> None:
         """Print one rank's output; -f follows it, surviving dropped connections."""
-        with make_client(url, token) as client:
-            try:
-                _logs(client, job_id, node, rank, attempt, follow)
-            except ApiError as exc:
-                _fail(exc)
+        with api(url, token) as client:
+            _logs(client, job_id, node, rank, attempt, follow)
 
     @app.command()
     def cancel(job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table") -> None:
         """Cancel a job (harmless if it is already cancelling or cancelled)."""
-        with make_client(url, token) as client:
-            try:
-                job = client.cancel(job_id)
-            except ApiError as exc:
-                _fail(exc)
+        with api(url, token) as client:
+            job = client.cancel(job_id)
         _emit(job, output) if output == "json" else typer.echo(job["state"])
 
     @app.command()
@@ -314,11 +302,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table"
     ) -> None:
         """List a job's checkpoints, oldest first."""
-        with make_client(url, token) as client:
-            try:
-                items = client.checkpoints(job_id)
-            except ApiError as exc:
-                _fail(exc)
+        with api(url, token) as client:
+            items = client.checkpoints(job_id)
         if output == "json":
             _emit({"items": items}, output)
             return
@@ -344,7 +329,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         output: OutputLongOpt = "table",
     ) -> None:
         """Download a checkpoint with a progress bar; resumes and verifies its SHA-256."""
-        with make_client(url, token) as client:
+        with api(url, token) as client:
             try:
                 meta = client.checkpoint(ckpt_id)
                 dest = str(out or meta["name"])
@@ -357,8 +342,6 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
                 ) as bar:
                     task = bar.add_task(meta["name"], total=meta["size_bytes"])
                     sha = client.download(ckpt_id, dest, lambda d, t: bar.update(task, completed=d, total=t))
-            except ApiError as exc:
-                _fail(exc)
             except ChecksumMismatch as exc:
                 console.print(f"[red]error[/red]: {exc}; nothing was kept")
                 raise typer.Exit(1) from None
@@ -377,11 +360,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         output: OutputOpt = "table",
     ) -> None:
         """Upload your own checkpoint to resume from."""
-        with make_client(url, token) as client:
-            try:
-                ckpt = client.upload(str(path), name)
-            except ApiError as exc:
-                _fail(exc)
+        with api(url, token) as client:
+            ckpt = client.upload(str(path), name)
         _emit(ckpt, output) if output == "json" else typer.echo(ckpt["id"])
 
 
