@@ -60,9 +60,9 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 NODE_ACTIVE = frozenset({NodeState.PENDING, NodeState.RUNNING})
 NODE_ENDS = frozenset({NodeState.SUCCEEDED, NodeState.FAILED, NodeState.CANCELLED, NodeState.LOST})
 NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
-    # A pending node never ran, so it cannot have succeeded; it can fail (its worker could not
-    # start it), be cancelled, or be lost.
-    NodeState.PENDING: frozenset({NodeState.RUNNING, NodeState.FAILED, NodeState.CANCELLED, NodeState.LOST}),
+    # A pending node never ran, so it cannot have succeeded or failed (a worker claims a node,
+    # making it running, before anything can go wrong on it): it is cancelled, or lost.
+    NodeState.PENDING: frozenset({NodeState.RUNNING, NodeState.CANCELLED, NodeState.LOST}),
     NodeState.RUNNING: NODE_ENDS,
     **{end: frozenset() for end in NODE_ENDS},
 }

@@ -124,6 +124,7 @@ def test_node_run_transitions() -> None:
     assert set(NODE_TRANSITIONS) == set(NodeState)
     assert node_may_move("pending", "running") and node_may_move("running", "succeeded")
     assert not node_may_move("pending", "succeeded")  # a node that never ran did not succeed
+    assert not node_may_move("pending", "failed")  # nor fail: its worker claims it first
     for end in ("succeeded", "failed", "cancelled", "lost"):
         assert node_may_move("running", end)
         assert not any(node_may_move(end, s) for s in NodeState)  # the first end wins

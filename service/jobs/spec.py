@@ -98,6 +98,17 @@ class Hyperparameters(Input):
     seed: int = Field(0, ge=0, le=2**31 - 1)
     num_workers: int = Field(2, ge=0, le=64)
     checkpoint_every: int = Field(1, ge=1, le=100_000, description="epochs")
+    lr_schedule: Literal["constant", "step", "cosine"] = Field(
+        "constant", description="step: x0.1 at 50% and 75% of the steps; cosine: down to 0 at the end"
+    )
+    warmup_steps: int = Field(0, ge=0, le=10_000_000, description="linear warm-up, optimizer steps")
+    amp: Literal["bf16", "fp16"] | None = Field(None, description="autocast; fp16 only on CUDA")
+    grad_accum_steps: int = Field(1, ge=1, le=1024, description="batches per optimizer step")
+    clip_grad_norm: float | None = Field(None, gt=0, le=1e6, description="max global gradient norm")
+    compile: bool = Field(False, description="torch.compile the model")
+    checkpoint_every_s: float | None = Field(
+        None, gt=0, le=1e7, description="also save every this many seconds (null: by epoch only)"
+    )
     synthetic_size: int = Field(4096, ge=1, le=10_000_000, description="samples of the synthetic data set")
     report_every: int = Field(10, ge=1, le=1_000_000, description="steps between progress reports")
 

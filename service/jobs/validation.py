@@ -42,6 +42,18 @@ def check_code(session: Session, spec: JobSpec, user: User) -> None:
             raise InvalidSpec(("entrypoint", "path"), "with code, a path relative to the code's root")
 
 
+def check_amp(session: Session, spec: JobSpec) -> None:
+    """fp16 needs CUDA (its GradScaler has no CPU form): refuse it where no worker has CUDA."""
+    hyper = spec.hyperparameters
+    if hyper is None or hyper.amp != "fp16":
+        return
+    kinds = set(session.execute(select(Worker.accelerator).distinct()).scalars())
+    if kinds and "cuda" not in kinds:
+        raise InvalidSpec(
+            ("hyperparameters", "amp"), "fp16 needs a CUDA worker and none is registered; use bf16"
+        )
+
+
 def check_fits_cluster(session: Session, spec: JobSpec) -> None:
     """Refuse what no registered worker could ever hold; with no worker known yet, let it queue."""
     sizes = sorted(session.execute(select(Worker.gpus)).scalars().all(), reverse=True)
@@ -108,4 +120,5 @@ def validate_in_context(
     elif isinstance(spec.entrypoint, ScriptEntrypoint):
         resolve_script(spec.entrypoint.path, settings.script_root_paths)
     check_fits_cluster(session, spec)
+    check_amp(session, spec)
     return resolve_resume(session, settings, storage, spec, user)

@@ -19,6 +19,8 @@ from workers.runtime.errors import ConfigError
 
 MODES = ("single", "dp", "ddp")
 OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "step", "cosine")
+AMP_MODES = (None, "bf16", "fp16")
 ENTRYPOINT_KINDS = ("builtin", "factory")
 BUILTIN_MODELS = ("cnn", "mlp")
 BUILTIN_DATASETS = ("digits", "synthetic")
@@ -51,6 +53,13 @@ class Hyperparameters:
     checkpoint_every: int = 1
     synthetic_size: int = 4096
     report_every: int = 10
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    amp: str | None = None
+    grad_accum_steps: int = 1
+    clip_grad_norm: float | None = None
+    compile: bool = False
+    checkpoint_every_s: float | None = None
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -61,14 +70,30 @@ class Hyperparameters:
             ("checkpoint_every", 1),
             ("synthetic_size", 1),
             ("report_every", 1),
+            ("warmup_steps", 0),
+            ("grad_accum_steps", 1),
         ):
             _require_int(name, getattr(self, name), minimum)
+        self._check_v2()
         _require_number("lr", self.lr, 0.0, inclusive=False)
         _require_number("weight_decay", self.weight_decay, 0.0, inclusive=True)
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"hyperparameters.optimizer must be one of {OPTIMIZERS}, not {self.optimizer!r}"
             )
+
+    def _check_v2(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(
+                f"hyperparameters.lr_schedule must be one of {LR_SCHEDULES}, not {self.lr_schedule!r}"
+            )
+        if self.amp not in AMP_MODES:
+            raise ConfigError(f"hyperparameters.amp must be one of {AMP_MODES}, not {self.amp!r}")
+        for name in ("clip_grad_norm", "checkpoint_every_s"):
+            if getattr(self, name) is not None:
+                _require_number(name, getattr(self, name), 0.0, inclusive=False)
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"hyperparameters.compile must be true or false, not {self.compile!r}")
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> Hyperparameters:

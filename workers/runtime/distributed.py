@@ -129,23 +129,32 @@ class StopAgreement:
         self._every = 1
         self._since = 0
         self._posted_at: float | None = clock()
+        self._save = False  # the last exchange's "some rank's checkpoint timer is due"
 
     @property
     def every(self) -> int:
         """Steps between exchanges, as agreed at the last one."""
         return self._every
 
-    def after_step(self, local_stop: bool) -> bool:
-        """True when every rank must stop now."""
+    def after_step(self, local_stop: bool, local_save: bool = False) -> bool:
+        """True when every rank must stop now. `local_save` (this rank's checkpoint timer is
+        due) travels in the same exchange; `take_save()` then says, alike on every rank,
+        whether to save at this step."""
         if not self._ctx.distributed:
+            self._save = local_save
             return local_stop
         self._since += 1
         if self._since < self._every:
             return False
         agreed = self._collect()
         if not agreed:
-            self._post(local_stop)
+            self._post(local_stop, local_save)
         return agreed
+
+    def take_save(self) -> bool:
+        """Whether every rank saves now (once per agreement)."""
+        save, self._save = self._save, False
+        return save
 
     def settle(self, local_stop: bool) -> bool:
         """A blocking round, for points where every rank waits anyway (an epoch's end)."""
@@ -158,11 +167,11 @@ class StopAgreement:
         self._posted_at = None  # what follows (validation, saving) is not a training step's time
         return stop
 
-    def _post(self, flag: bool) -> None:
+    def _post(self, flag: bool, save: bool = False) -> None:
         now = self._clock()
         posted = self._posted_at
         step_us = int((now - posted) / self._since * 1e6) if posted is not None and self._since > 0 else 0
-        tensor = torch.tensor([int(flag), step_us], dtype=torch.int64)
+        tensor = torch.tensor([int(flag), int(save), step_us], dtype=torch.int64)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._ctx.cpu_group, async_op=True)
         self._pending = (work, tensor)
         self._posted_at = now
@@ -174,7 +183,8 @@ class StopAgreement:
         work, tensor = self._pending
         self._pending = None
         work.wait()
-        stop, slowest_step_us = tensor.tolist()
+        stop, save, slowest_step_us = tensor.tolist()
+        self._save = bool(save)
         if slowest_step_us > 0:
             self._every = exchange_every(slowest_step_us / 1e6)
         return bool(stop)

@@ -8,6 +8,8 @@ uninterrupted run would have done next.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Sized
@@ -38,6 +40,7 @@ from workers.runtime.parallel import PlacedModel, load_optimizer_state, make_opt
 from workers.runtime.plan import RunPlan
 from workers.runtime.preemption import PreemptionFlag
 from workers.runtime.rng import capture_rng, restore_rng
+from workers.runtime.stepping import Grouping, Stepper
 from workers.runtime.version import torchjobs_version
 
 Resume = tuple[dict[str, torch.Tensor], dict[str, Any] | None, int, int, dict[str, Any]]
@@ -106,9 +109,16 @@ class Trainer:
         seed_everything(self.hp.seed + ctx.rank)
         self.model = self._build_model(resume)
         self.optimizer = make_optimizer(self.model.bare, self.hp)
+        self.stepper = Stepper(self.optimizer, self.hp, ctx.device)
+        if self.hp.compile:  # the bare model stays what is saved: no `_orig_mod.` in checkpoints
+            compiled = cast(torch.nn.Module, torch.compile(self.model.train))
+            self.model = dataclasses.replace(self.model, train=compiled)
         self.sampler, self.train_loader, self.val_loader = self._build_data()
         self.per_epoch = self.sampler.batches_per_epoch
         self.total_steps = self.per_epoch * self.hp.epochs
+        self.grouping = Grouping(self.per_epoch, self.hp.grad_accum_steps)
+        self.total_opt_steps = self.grouping.groups_per_epoch * self.hp.epochs
+        self.last_save_at = time.monotonic()
         self.pos = Position(epoch=0, batch=0, step=0)
         if resume is not None:
             self._resume(resume)
@@ -160,6 +170,7 @@ class Trainer:
         _net, opt_state, epoch, _step, meta = resume
         if opt_state is not None:
             self._warn(load_optimizer_state(self.optimizer, opt_state, self.hp))
+        self.stepper.load_state(meta.get("grad_scaler"))
         batch = meta.get("batch_in_epoch", 0)
         if not isinstance(batch, int) or not 0 <= batch < self.per_epoch or not self._same_geometry(meta):
             if batch:
@@ -224,25 +235,42 @@ class Trainer:
         self.model.train.train()
         self.meter.start_epoch()
         for batch in self.train_loader:
-            self._step(batch)
+            stepped = self._step(batch)
             self.pos.advance(self.per_epoch)
-            if self.stop.after_step(self.flag.requested):
-                self._preempt()
+            if stepped:  # stops and saves fall between optimizer steps, never inside a group
+                if self.stop.after_step(self.flag.requested, self._save_due()):
+                    self._preempt()
+                if self.stop.take_save() and self.pos.batch != 0:
+                    self._save()
             if self.pos.step % self.hp.report_every == 0 and self.pos.batch != 0:
                 self._publish(self._summarise(self.meter.window))
         return self._summarise(self.meter.epoch)
 
-    def _step(self, batch: Any) -> None:
+    def _step(self, batch: Any) -> bool:
+        """One batch; True when it ended its accumulation group with an optimizer step."""
         if not isinstance(batch, list | tuple) or len(batch) != 2:
             raise ConfigError("every training sample must be an (input, target) pair")
         non_blocking = self.plan.is_cuda
         x = batch[0].to(self.ctx.device, non_blocking=non_blocking)
         y = batch[1].to(self.ctx.device, non_blocking=non_blocking)
-        loss = F.cross_entropy(self.model.train(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        b, group = self.pos.batch, self.grouping
+        if group.is_first(b):
+            self.optimizer.zero_grad(set_to_none=True)
+        last = group.is_last(b)
+        no_sync = getattr(self.model.train, "no_sync", None)
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            with self.stepper.autocast():
+                loss = F.cross_entropy(self.model.train(x), y)
+            self.stepper.backward(loss, group.size(b))
+        if last:
+            opt_step = group.optimizer_step(self.pos.epoch, b)
+            self.stepper.step(self.model.bare.parameters, opt_step, self.total_opt_steps)
         self.meter.add(loss.detach())
+        return last
+
+    def _save_due(self) -> bool:
+        every = self.hp.checkpoint_every_s
+        return every is not None and time.monotonic() - self.last_save_at >= every
 
     def _end_epoch(self, summary: dict[str, Any]) -> None:
         val_loss, val_accuracy = self._validate()
@@ -327,6 +355,7 @@ class Trainer:
             log(self.ctx.rank, f"checkpoint {path}")
         barrier(self.ctx)
         self.saved_step = self.pos.step
+        self.last_save_at = time.monotonic()
 
     def _checkpoint(self, rng: list[Any] | None) -> dict[str, Any]:
         meta = {
@@ -340,6 +369,9 @@ class Trainer:
             "batch_in_epoch": self.pos.batch,
             "rng": {"ranks": rng},
         }
+        scaler = self.stepper.state()
+        if scaler is not None:
+            meta["grad_scaler"] = scaler
         return build_checkpoint(
             net_state=self.model.bare.state_dict(),
             optimizer_state=self.optimizer.state_dict(),
