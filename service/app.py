@@ -40,6 +40,7 @@ from service.schemas import json_safe
 from service.storage import Storage
 from service.streams.router import router as streams_router
 from service.streams.service import Streams
+from service.uploads import sweep_partials
 from service.users.router import router as users_router
 from service.wakeups.message import is_redis
 from service.wakeups.publish import freed_signal_path
@@ -58,6 +59,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         app.state.db, app.state.settings = db, settings
         app.state.session_slots = anyio.CapacityLimiter(db.request_sessions_max)
         app.state.storage = Storage.from_settings(settings)
+        sweep_partials(settings.home / "tmp" / "code")
         with db.transaction() as session:
             ensure_admin(session, settings)
         log.info(
@@ -186,7 +188,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TorchJobsError)
     async def _domain_error(_request: Request, exc: TorchJobsError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
+        return JSONResponse({"detail": json_safe(exc.detail)}, status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:

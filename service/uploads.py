@@ -5,8 +5,10 @@ Checkpoint uploads and code archives both arrive this way; what each then checks
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,17 @@ async def receive(
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(fh.close)
     return size, digest.hexdigest()
+
+
+def sweep_partials(folder: Path, max_age_s: float = 3600.0) -> None:
+    """Partial uploads a killed server left behind (an upload in flight elsewhere is younger)."""
+    if not folder.is_dir():
+        return
+    now = time.time()
+    for path in folder.glob("*.partial"):
+        with contextlib.suppress(FileNotFoundError):
+            if now - path.stat().st_mtime > max_age_s:
+                path.unlink()
 
 
 def _write(fh: Any, digest: Any, data: bytearray, last: bool = False) -> None:

@@ -28,6 +28,7 @@ from service.models import utcnow
 from service.storage import Storage
 from workers import context
 from workers.celery_app import make_celery, queue_for
+from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
 from workers.environments import envs_root
 from workers.launcher import devices, sandbox
@@ -147,6 +148,8 @@ def run_worker(
         gpus=gpus if gpus is not None else detected,
     )
     remove_stale_runs(ctx.run_root)  # before a spare sandbox is made there
+    for cache in (settings.cache_dir / "code", envs_root(settings)):
+        sweep_staging(cache)  # what a killed worker was building
     ctx.isolation = sandbox.detect(settings.sandbox, settings.sandbox_user)
     announce_isolation(ctx.isolation, settings)
     ctx.rank_base_env = passthrough(os.environ, settings.rank_env_allow)

@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,8 @@ from service.code.archive import UnsafeArchive, unpack_archive
 from service.code.service import limits_of
 from service.config import Settings
 from service.storage import Storage
+
+MIN_IDLE_S = 3600.0  # a cached folder used this recently is never pruned
 
 
 class CodeUnavailable(Exception):
@@ -35,7 +38,8 @@ def unpacked_code(settings: Settings, storage: Storage, sha: str, storage_key: s
         with locked(cache / f".{sha}.lock"):
             if not dest.is_dir():
                 _fetch_and_unpack(settings, storage, sha, storage_key, dest)
-    os.utime(dest)
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(dest)
     prune(cache, settings.code_cache_max_bytes, keep=dest)
     return dest
 
@@ -77,16 +81,56 @@ def folder_bytes(folder: Path) -> int:
     return total
 
 
-def prune(cache: Path, max_bytes: int, keep: Path) -> None:
-    """Least recently used folders go first, until the cache fits (the one in use stays; names
-    starting with "." are work in progress). Both the code and the environment caches use it:
-    a node copies its code and its ranks import their packages at start, so a folder removed
-    later is rebuilt by the next node that needs it, never pulled from under a running one."""
-    folders = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".") and p != keep]
-    sizes = {p: folder_bytes(p) for p in folders}
+def prune(cache: Path, max_bytes: int, keep: Path, min_idle_s: float = MIN_IDLE_S) -> None:
+    """Least recently used folders go first, until the cache fits. Both the code and the
+    environment caches use it. The one in use stays, and so does any folder used within
+    `min_idle_s`: a running node may still import from its environment (the cap is a soft one
+    while many are busy). A folder is renamed away before it is removed, so no reader ever
+    finds it half gone; names starting with "." are work in progress."""
+    now = time.time()
+    folders: list[tuple[float, Path]] = []
+    for path in cache.iterdir():
+        if path.name.startswith(".") or path == keep or not path.is_dir():
+            continue
+        with contextlib.suppress(FileNotFoundError):  # removed by another node meanwhile
+            folders.append((path.stat().st_mtime, path))
+    sizes = {p: folder_bytes(p) for _, p in folders}
     total = sum(sizes.values()) + folder_bytes(keep)
-    for folder in sorted(folders, key=lambda p: p.stat().st_mtime):
-        if total <= max_bytes:
+    for used, folder in sorted(folders):
+        if total <= max_bytes or now - used < min_idle_s:
             break
+        victim = folder.with_name(f".{folder.name}.removing-{uuid.uuid4().hex}")
+        try:
+            folder.rename(victim)
+        except OSError:
+            continue
         total -= sizes[folder]
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(victim, ignore_errors=True)
+
+
+def sweep_staging(cache: Path, max_age_s: float = 86_400.0) -> None:
+    """What a killed worker left behind: staging folders of dead processes, folders half
+    removed, partial downloads older than a day. Called at worker start."""
+    if not cache.is_dir():
+        return
+    now = time.time()
+    for path in cache.iterdir():
+        name = path.name
+        if not name.startswith("."):
+            continue
+        pid = name.rsplit("-", 1)[-1]
+        dead = (".building-" in name or ".unpacking-" in name) and pid.isdigit() and not _alive(int(pid))
+        with contextlib.suppress(FileNotFoundError):
+            old = now - path.stat().st_mtime > max_age_s and not name.endswith(".lock")
+            if dead or ".removing-" in name or old:
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

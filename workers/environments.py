@@ -16,6 +16,7 @@ recently used ones are removed when the cache passes `TORCHJOBS_ENV_CACHE_MAX_BY
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from packaging.requirements import Requirement
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
 from service.config import Settings
@@ -89,7 +90,8 @@ def ensure_environment(settings: Settings, requirements: list[str], log: Path) -
             reused = (dest / READY).is_dir()  # another node built it while this one waited
             if not reused:
                 _build(settings, requirements, dest, log)
-    os.utime(dest)
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(dest)
     prune(root, settings.env_cache_max_bytes, keep=dest)
     seconds = time.monotonic() - started
     if reused:
@@ -115,6 +117,8 @@ def _build(settings: Settings, requirements: list[str], dest: Path, log: Path) -
             _uv(settings, log, "install", "--no-deps", "--target", READY, "-r", "install.txt", cwd=staging)
         else:
             (staging / READY).mkdir()
+        for name in ("requirements.in", "worker.txt", "resolved.txt", "install.txt"):
+            (staging / name).unlink()  # every job can read the cache: keep no one's requirements there
         staging.rename(dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -143,9 +147,19 @@ def _uv(settings: Settings, log: Path, command: str, *args: str, cwd: Path) -> N
     }
     start = log.stat().st_size if log.exists() else 0
     with log.open("ab") as out:
-        done = subprocess.run(
-            argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=settings.env_build_timeout_s
-        )
+        try:
+            done = subprocess.run(
+                argv,
+                cwd=cwd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=settings.env_build_timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            raise EnvironmentFailed(
+                f"the installer took longer than {settings.env_build_timeout_s:g} s"
+            ) from None
     if done.returncode != 0:
         raise EnvironmentFailed(_reason(log, start))
 
@@ -166,7 +180,10 @@ def _not_in_worker(resolved: Path) -> list[str]:
         line = line.split("#", 1)[0].strip()
         if not line or line.startswith("-"):
             continue
-        req = Requirement(line)
+        try:
+            req = Requirement(line)
+        except InvalidRequirement as exc:
+            raise EnvironmentFailed(f"the installer resolved {line!r}, which cannot be read: {exc}") from exc
         pinned = next((s.version for s in req.specifier if s.operator == "=="), None)
         if have.get(canonicalize_name(req.name)) != pinned:
             extra.append(line)

@@ -110,7 +110,10 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         script_path=script,
         run_dir=run_dir,
         python=sys.executable,
-        rendezvous_timeout_s=int(ctx.settings.rendezvous_timeout_s),
+        # a node that builds its environment may start its torchrun that much after the others
+        rendezvous_timeout_s=int(
+            ctx.settings.rendezvous_timeout_s + (ctx.settings.env_build_timeout_s if claimed.pip else 0)
+        ),
         preflight_timeout_s=ctx.settings.preflight_timeout_s,
         resume_path=resume_path,
         tmp_root=Path(tempfile.gettempdir()),

@@ -60,7 +60,9 @@ def _members(folder: Path, ignored: pathspec.PathSpec) -> list[str]:
         rel_root = os.path.relpath(root, folder)
         rel_root = "" if rel_root == "." else rel_root + "/"
         dirs[:] = sorted(d for d in dirs if not ignored.match_file(rel_root + d + "/"))
-        for name in files:
+        linked = [d for d in dirs if os.path.islink(os.path.join(root, d))]
+        dirs[:] = [d for d in dirs if d not in linked]  # a link to a folder travels as a link
+        for name in (*files, *linked):
             rel = rel_root + name
             if not ignored.match_file(rel):
                 found.append(rel)
@@ -69,6 +71,8 @@ def _members(folder: Path, ignored: pathspec.PathSpec) -> list[str]:
 
 def _add(tar: tarfile.TarFile, folder: Path, rel: str) -> None:
     path = folder / rel
+    # a second name of a file travels as a file, never as a hard link member
+    tar.inodes.clear()  # type: ignore[attr-defined]
     info = tar.gettarinfo(str(path), arcname=rel)
     info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
     if info.isreg():

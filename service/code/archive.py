@@ -11,14 +11,18 @@ with `tarfile`'s `data` filter (PEP 706) as a second wall.
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import os
 import shutil
 import tarfile
 import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 NOT_A_TAR = "the body is not a gzip-compressed tar archive"
+MAX_READ = 16 * 1024**2  # no single read larger: a header claiming gigabytes is refused, not allocated
 
 
 @dataclass(frozen=True)
@@ -41,37 +45,60 @@ class UnsafeArchive(Exception):
         self.member, self.reason = member, reason
 
 
+class _Inflating(gzip.GzipFile):
+    """The decompressed stream, refusing any one read past MAX_READ. tarfile reads a pax or
+    long-name header whole, at the size the header itself claims; file data it reads (or skips)
+    in small blocks."""
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0 or size > MAX_READ:
+            raise UnsafeArchive(None, f"a member header claims more than {MAX_READ} bytes")
+        return super().read(size)
+
+
+@contextlib.contextmanager
+def open_archive(path: Path) -> Iterator[tarfile.TarFile]:
+    with _Inflating(path, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
+        yield tar
+
+
 def inspect_archive(path: Path, limits: ArchiveLimits) -> ArchiveSummary:
     """Every member checked, nothing extracted; raises UnsafeArchive on the first refusal."""
     files = unpacked = members = 0
+    links: set[str] = set()
     try:
-        with tarfile.open(path, mode="r:gz") as tar:
-            raw = tar.fileobj
+        with open_archive(path) as tar:
             for member in tar:
                 members += 1
                 if members > limits.members:
                     raise UnsafeArchive(member.name, f"the archive has more than {limits.members} members")
-                check_member(member)
+                check_member(member, links)
                 if member.isreg():
                     files += 1
                     unpacked += member.size
-                _check_size(member.name, max(unpacked, _inflated(raw)), limits)
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        raise UnsafeArchive(None, f"{NOT_A_TAR} ({exc.__class__.__name__}: {exc})") from None
+                _check_size(member.name, max(unpacked, _inflated(tar.fileobj)), limits)
+    except UnsafeArchive:
+        raise
+    except (tarfile.TarError, EOFError, OSError, zlib.error, ValueError, RecursionError, MemoryError) as exc:
+        raise UnsafeArchive(None, f"{NOT_A_TAR} ({exc.__class__.__name__}: {exc})"[:500]) from None
     if members == 0:
         raise UnsafeArchive(None, "the archive is empty")
     return ArchiveSummary(files=files, unpacked_bytes=unpacked)
 
 
-def check_member(member: tarfile.TarInfo) -> None:
+def check_member(member: tarfile.TarInfo, links: set[str]) -> None:
+    """`links`: the archive's symbolic links so far; a path through one is refused (on disk it
+    could lead anywhere the link does), and this member is added when it is one."""
     name = member.name
-    parts = PurePosixPath(name).parts
-    if name.startswith(("/", "\\")) or (parts and ":" in parts[0]):
+    if name.startswith(("/", "\\")):
         raise UnsafeArchive(name, "an absolute path")
-    if ".." in parts or ".." in PurePosixPath(name.replace("\\", "/")).parts:
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    if ".." in parts:
         raise UnsafeArchive(name, "a path with a '..' component")
+    _walk(name, list(parts), links)
     if member.issym():
-        _check_link_target(member)
+        _check_link_target(member, links)
+        links.add(_normal(parts))
     elif member.islnk():
         raise UnsafeArchive(name, "a hard link")
     elif member.ischr() or member.isblk():
@@ -82,13 +109,33 @@ def check_member(member: tarfile.TarInfo) -> None:
         raise UnsafeArchive(name, f"a special member (tar type {member.type!r})")
 
 
-def _check_link_target(member: tarfile.TarInfo) -> None:
+def _check_link_target(member: tarfile.TarInfo, links: set[str]) -> None:
     target = member.linkname
-    if target.startswith("/") or not target:
+    if not target or target.startswith("/"):
         raise UnsafeArchive(member.name, f"a link to {target!r}, outside the archive")
-    resolved = os.path.normpath(os.path.join(os.path.dirname(member.name), target))
-    if resolved == ".." or resolved.startswith("../") or resolved.startswith("/"):
-        raise UnsafeArchive(member.name, f"a link to {target!r}, outside the archive")
+    parent = list(PurePosixPath(member.name).parts[:-1])
+    _walk(member.name, parent + list(PurePosixPath(target).parts), links, target=target)
+
+
+def _walk(name: str, parts: list[str], links: set[str], target: str | None = None) -> None:
+    """Follow `parts` from the archive's root: never above it, never through a link."""
+    here: list[str] = []
+    for i, part in enumerate(parts):
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not here:
+                raise UnsafeArchive(name, f"a link to {target!r}, outside the archive")
+            here.pop()
+            continue
+        here.append(part)
+        last = i == len(parts) - 1  # the member itself, or a link's final target, may be a (checked) link
+        if not last and _normal(here) in links:
+            raise UnsafeArchive(name, f"a path through the link {_normal(here)!r}")
+
+
+def _normal(parts: Iterable[str]) -> str:
+    return "/".join(p for p in parts if p not in ("", "."))
 
 
 def _inflated(raw: object) -> int:
@@ -113,9 +160,12 @@ def unpack_archive(archive: Path, dest: Path, limits: ArchiveLimits) -> ArchiveS
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        with tarfile.open(archive, mode="r:gz") as tar:
+        with open_archive(archive) as tar:
             tar.extractall(staging, filter="data")
         staging.rename(dest)
+    except (tarfile.TarError, OSError) as exc:  # what the data filter refuses, or the disk
+        shutil.rmtree(staging, ignore_errors=True)
+        raise UnsafeArchive(None, f"cannot be unpacked here: {exc}"[:500]) from exc
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

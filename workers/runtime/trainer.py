@@ -189,6 +189,7 @@ class Trainer:
             meta.get("world_size") == self.ctx.world_size
             and isinstance(saved, dict)
             and saved.get("batch_size") == self.hp.batch_size
+            and saved.get("grad_accum_steps", 1) == self.hp.grad_accum_steps
         )
 
     def _restore_rng(self, meta: dict[str, Any]) -> None:

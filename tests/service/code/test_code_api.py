@@ -110,6 +110,34 @@ def _fifo() -> tarfile.TarInfo:
     return member("pipe", tarfile.FIFOTYPE)
 
 
+def _huge_header(kind: bytes) -> bytes:
+    """A pax or long-name header that claims 8 GiB: tarfile would allocate it whole."""
+    info = member("././@PaxHeader" if kind == tarfile.XHDTYPE else "././@LongLink", kind)
+    info.size = 2**33 - 1
+    return gzip.compress(info.tobuf(format=tarfile.USTAR_FORMAT) + bytes(1024))
+
+
+def _pax_chain(n: int) -> bytes:
+    """n pax headers back to back: tarfile recurses once per header."""
+    info = member("x", tarfile.XHDTYPE)
+    record = b"20 comment=aaaaaaaa\n"
+    info.size = len(record)
+    block = info.tobuf(format=tarfile.USTAR_FORMAT) + record + bytes(512 - len(record))
+    return gzip.compress(block * n + bytes(1024))
+
+
+def _not_utf8() -> bytes:
+    raw = io.BytesIO()
+    with (
+        gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT, errors="surrogateescape") as tar,
+    ):
+        info = tarfile.TarInfo(b"\xff/../x".decode("utf-8", "surrogateescape"))
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    return raw.getvalue()
+
+
 HOSTILE = {
     "dotdot": (archive((member("../../x"), b"x")), "../../x"),
     "absolute": (archive((member("/etc/x"), b"x")), "/etc/x"),
@@ -118,6 +146,18 @@ HOSTILE = {
     "hardlink": (archive((member("f"), b"x"), (member("h", tarfile.LNKTYPE, "f"), None)), "h"),
     "fifo": (archive((_fifo(), None)), "pipe"),
     "device": (archive((member("dev", tarfile.CHRTYPE), None)), "dev"),
+    "through-a-link": (
+        archive((member("a", tarfile.SYMTYPE, "."), None), (member("a/b", tarfile.SYMTYPE, ".."), None)),
+        "a/b",
+    ),
+    "link-via-link": (
+        archive((member("a", tarfile.SYMTYPE, "."), None), (member("c", tarfile.SYMTYPE, "a/.."), None)),
+        "c",
+    ),
+    "huge-pax-header": (_huge_header(tarfile.XHDTYPE), "header"),
+    "huge-long-name": (_huge_header(tarfile.GNUTYPE_LONGNAME), "header"),
+    "pax-recursion": (_pax_chain(3000), "not a gzip-compressed tar"),
+    "not-utf8": (_not_utf8(), "/../x"),
 }
 
 
@@ -210,3 +250,15 @@ def test_pip_takes_at_most_a_hundred(api: TestClient) -> None:
     assert answer.status_code == 422
     ok = api.post("/v1/jobs", json=job(environment={"pip": ["einops==0.8.2"]}), headers=ADMIN)
     assert ok.status_code == 201 and ok.json()["environment"] == {"pip": ["einops==0.8.2"]}
+
+
+def test_links_inside_and_odd_names_are_accepted(api: TestClient) -> None:
+    chain = archive(
+        (member("lib.so.1.2"), b"elf"),
+        (member("lib.so.1", tarfile.SYMTYPE, "lib.so.1.2"), None),
+        (member("lib.so", tarfile.SYMTYPE, "lib.so.1"), None),
+        (member("data:v1/x.csv"), b"1,2\n"),
+    )
+    answer = upload(api, chain, ADMIN)
+    assert answer.status_code == 201, answer.text
+    assert answer.json()["files"] == 2
