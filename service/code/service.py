@@ -90,9 +90,7 @@ def _record(db: Database, user: User, row: CodeArchive) -> tuple[CodeOut, bool]:
 
 def get_code(session: Session, user: User, code_id: str) -> CodeOut:
     """The caller's own Code (the admin sees any uploader's); anyone else's is a 404."""
-    row = repo.owned(session, user.id, code_id)
-    if row is None and user.is_admin:
-        row = repo.any_with(session, code_id)
+    row = usable_code(session, user, code_id)
     if row is None:
         raise NotFound("code")
     names = repo.owner_names(session, {row.owner_id})
