@@ -14,6 +14,7 @@ class WorkerOut(BaseModel):
     gpus_free: int
     state: str
     last_heartbeat: datetime
+    started_at: datetime  # when this worker process registered: a restart moves it
     jobs: list[int]  # the caller's own jobs there (the admin: every job)
     isolation: str  # "sandbox" | "none" (contract §7)
     isolation_detail: str  # how ranks are walled off, or why they are not

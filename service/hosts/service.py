@@ -32,6 +32,7 @@ def list_workers(session: Session, caller: User | None) -> WorkerList:
                 gpus_free=max(0, w.gpus - len(used.get(w.name, ()))) if w.state == WorkerState.ONLINE else 0,
                 state=w.state,
                 last_heartbeat=w.last_heartbeat,
+                started_at=w.started_at,
                 jobs=sorted(jobs.get(w.name, ())),
                 isolation=w.isolation,
                 isolation_detail=w.isolation_detail,

@@ -123,11 +123,19 @@ class Stack:
         self._spawn(f"worker-{name}", args, extra_env, prefix)
         self.wait_worker_online(name)
 
-    def wait_worker_online(self, name: str, timeout: float = 60) -> None:
+    def worker(self, name: str) -> dict[str, Any] | None:
+        with self.client() as c:
+            items = c.get("/v1/workers").json()["items"]
+        return next((w for w in items if w["name"] == name), None)
+
+    def wait_worker_online(self, name: str, timeout: float = 60, started_after: str | None = None) -> None:
+        """`started_after`: a restarted worker, not the old row that still looks online until
+        its heartbeats are missed."""
+
         def online() -> bool:
-            with self.client() as c:
-                items = c.get("/v1/workers").json()["items"]
-            return any(w["name"] == name and w["state"] == "online" for w in items)
+            w = self.worker(name)
+            fresh = started_after is None or (w is not None and w["started_at"] > started_after)
+            return w is not None and w["state"] == "online" and fresh
 
         wait_for(online, timeout, f"worker {name} online")
 

@@ -99,9 +99,11 @@ def test_a_killed_local_worker_is_started_again(tmp_path: Path) -> None:
     stack = harness.embedded_stack(tmp_path)
     try:
         [first] = _local_workers(stack)
+        before = stack.worker("local")
+        assert before is not None
         os.kill(first, signal.SIGKILL)
         harness.wait_for(lambda: _local_workers(stack) not in ([], [first]), 60, "a new local worker")
-        stack.wait_worker_online("local")
+        stack.wait_worker_online("local", started_after=before["started_at"])
         done = stack.wait_job(stack.submit(SHORT)["id"])
         assert done["state"] == "succeeded", done["error"]
         assert "the local worker exited (code -9)" in stack.logs_of("up")
