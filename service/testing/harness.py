@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,9 +32,19 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "tests" / "scripts"  # a source 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, from 15000-28999: below the kernel's ephemeral range (32768 up here;
+    a port the kernel handed out is free only until it hands it to the next outgoing
+    connection: one torchrun's gloo sockets took another's master port that way, EADDRINUSE
+    in CI) and below the ports the scheduler gives jobs' masters (29400 up by default)."""
+    for _ in range(500):
+        port = random.randrange(15000, 29000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 15000-28999")
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
