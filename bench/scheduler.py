@@ -57,16 +57,27 @@ JOB_MIX = (
 )
 
 
-def seed_database(db: Any, hosts: int, gpus: int, jobs: int) -> None:
-    """Hosts as their agents register, jobs as the API creates them: through the product's gates."""
+def seed_database(db: Any, hosts: int, gpus: int, jobs: int, users: int = 1) -> None:
+    """Hosts as their agents register, jobs as the API creates them: through the product's gates.
+
+    With `users` > 1 the jobs go round the users, and every other user has a `gpu_quota` of
+    16 (contract §9): fair share orders them, and quotas hold some back."""
     from service.hosts.states import upsert_worker
     from service.jobs.states import create_job
     from service.models import Job, User, utcnow
 
     now = utcnow()
     with db.transaction() as s:
-        owner = User(name="bench", token_hash=uuid.uuid4().hex, is_admin=True)
-        s.add(owner)
+        owners = [
+            User(
+                name=f"bench-{u}",
+                token_hash=uuid.uuid4().hex,
+                is_admin=users == 1,
+                gpu_quota=16 if u % 2 else None,
+            )
+            for u in range(users)
+        ]
+        s.add_all(owners)
         s.flush()
         for i in range(hosts):
             upsert_worker(
@@ -82,7 +93,7 @@ def seed_database(db: Any, hosts: int, gpus: int, jobs: int) -> None:
         for i in range(jobs):
             nodes, per_node, mode = kinds[i % len(kinds)]
             job = Job(
-                owner_id=owner.id,
+                owner_id=owners[i % users].id,
                 name=f"sched-{i}",
                 mode=mode,
                 nodes=nodes,
@@ -104,6 +115,57 @@ def keep_fresh(db: Any) -> None:
 
     with db.transaction() as s:
         s.execute(update(Worker).values(last_heartbeat=utcnow()))
+
+
+def place_rates(pg_url: str, scratch: Path, args: argparse.Namespace, users: int) -> tuple[list[float], int]:
+    """place() on a fresh database, in a transaction rolled back each run: decisions per second."""
+    from service.config import Settings
+    from service.db import Database
+    from service.scheduler.loop import place
+
+    env = bench_env(scratch, TORCHJOBS_DATABASE_URL=pg_url)
+    subprocess.run(harness.torchjobs_cmd("db", "upgrade"), env=env, check=True, capture_output=True, cwd=REPO)
+    settings = Settings(home=scratch, database_url=pg_url)
+    db = Database(settings)
+    rates, placed = [], 0
+    try:
+        seed_database(db, args.hosts, args.gpus, args.jobs, users=users)
+        for _ in range(args.runs):
+            keep_fresh(db)
+            with db.sessionmaker() as s:
+                s.begin()
+                t0 = time.perf_counter()
+                sent = place(s, settings)
+                s.flush()
+                rates.append(args.jobs / (time.perf_counter() - t0))
+                s.rollback()
+            placed = len({d.job_id for d in sent})
+    finally:
+        db.dispose()
+    return rates, placed
+
+
+def fair_share_bench(scratch: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Contract §9's cost: the same queue and hosts, one owner (the figure before fair share)
+    against 50 owners, half of them with a quota; both measured in this run."""
+    rates: dict[int, list[float]] = {}
+    placed: dict[int, int] = {}
+    for users in (1, args.users):
+        pg_url = harness.create_pg_database()
+        try:
+            rates[users], placed[users] = place_rates(pg_url, scratch / f"fair-{users}", args, users)
+        finally:
+            harness.drop_pg_database(pg_url)
+    return figure(
+        "placement decisions/s with fair share and quotas",
+        "decisions/s",
+        rates[args.users],
+        rates[1],
+        setup=f"PostgreSQL, {args.jobs:,} jobs / {args.hosts} hosts / {args.users} users",
+        floor_name="place() with one owner, no quota",
+        target=">= 0.8",
+        note=f"{placed[args.users]} placed (one owner: {placed[1]}); every other user has gpu_quota 16",
+    )
 
 
 def placement_bench(pg_url: str, scratch: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
@@ -245,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=100)
     parser.add_argument("--gpus", type=int, default=8, help="slots per simulated host")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--users", type=int, default=50, help="owners in the fair-share figure")
     parser.add_argument("--chain", type=int, default=6, help="freed-GPU gaps measured per setup")
     parser.add_argument(
         "--setups", nargs="+", default=["postgres", "embedded"], choices=["postgres", "embedded"]
@@ -253,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.jobs, args.hosts, args.runs, args.chain, args.setups = 200, 20, 1, 1, ["postgres"]
+        args.users = 10
 
     with workdir("tj-bench-sched-", keep_on_error=args.artifacts) as scratch:
         pg_url = harness.create_pg_database()
@@ -260,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             figs, details = placement_bench(pg_url, scratch / "placement", args)
         finally:
             harness.drop_pg_database(pg_url)
+        figs.append(fair_share_bench(scratch, args))
         print("placement done", file=sys.stderr, flush=True)
         for setup in args.setups:
             if setup == "postgres":

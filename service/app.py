@@ -41,6 +41,7 @@ from service.storage import Storage
 from service.streams.router import router as streams_router
 from service.streams.service import Streams
 from service.uploads import sweep_partials
+from service.usage.router import router as usage_router
 from service.users.router import router as users_router
 from service.wakeups.message import is_redis
 from service.wakeups.publish import freed_signal_path
@@ -124,6 +125,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         code_router,
         users_router,
         hosts_router,
+        usage_router,
         metrics_router,
         dashboard_router,
     )

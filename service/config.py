@@ -32,6 +32,7 @@ class Settings(BaseSettings):
 
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 15.0
+    quarantine_after: int = Field(3, ge=0)  # infrastructure failures in a row on a host (0: never)
     scheduler_interval_s: float = 1.0
     # between passes while no job waits (nothing queued, cancelling or unclaimed): a running
     # job's host is spared a transaction a second; a lost worker is seen up to this much later
@@ -39,6 +40,8 @@ class Settings(BaseSettings):
     starvation_s: float = 300.0
     cancel_grace_s: float = 10.0
     rendezvous_timeout_s: float = 120.0
+    # a node still running this long after every other node of its attempt ended is stalled
+    peer_exit_timeout_s: float = Field(120.0, gt=0)
     preflight_timeout_s: float = Field(60.0, gt=0)
     warm_agent: bool = True  # keep one torchrun agent waiting with torch imported
     # Walls between users (contract §7, workers/launcher/sandbox.py): "auto" sandboxes ranks

@@ -60,3 +60,10 @@ class InvalidSpec(TorchJobsError):
 
     def __init__(self, loc: tuple[str | int, ...], msg: str, type_: str = "value_error") -> None:
         super().__init__([{"loc": ["body", *loc], "msg": msg, "type": type_}])
+
+
+class InvalidQuery(InvalidSpec):
+    """A 422 for a query parameter, in the same shape."""
+
+    def __init__(self, name: str, msg: str) -> None:
+        TorchJobsError.__init__(self, [{"loc": ["query", name], "msg": msg, "type": "value_error"}])

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from service.checkpoints.recording import store_rank_checkpoint
@@ -13,7 +15,7 @@ from service.db import KeptConnection
 from service.errors import InvalidSpec
 from service.jobs import reports
 from service.jobs.lifecycle import Claimed, claim_for_launch, record_end
-from service.jobs.node_reports import Batch, NodeKey, NodeOutcome
+from service.jobs.node_reports import Batch, NodeKey, NodeLimits, NodeOutcome
 from service.jobs.validation import resolve_script
 from service.states import NodeState
 from workers.code_cache import CodeUnavailable, unpacked_code
@@ -29,6 +31,7 @@ log = logging.getLogger("torchjobs.worker")
 def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> str:
     key = NodeKey(job_id=job_id, attempt=attempt, node_rank=node_rank)
     claimed = _claim(ctx, key)
+    claimed_at = time.monotonic()
     if claimed is None:
         log.info(
             "job %s attempt %s node %s: nothing to do (repeat or stale message)", job_id, attempt, node_rank
@@ -48,11 +51,17 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
                 write_batch=lambda b: reports.write_batch(node_db, key, b),
                 record_checkpoint=lambda p, m, v: store_rank_checkpoint(ctx.db, ctx.storage, key, p, m, v),
                 job_control=lambda: reports.job_control(ctx.db, job_id),
+                node_event=lambda type_, data: reports.node_event(node_db, key, type_, data),
+                peers_ended=lambda: reports.peers_ended_at(ctx.db, key),
             ),
             grace_s=ctx.settings.cancel_grace_s,
             shutdown=ctx.shutdown,
             host=f"worker {ctx.name} ({ctx.address})",
             agents=ctx.agents,
+            limits=dataclasses.replace(
+                _limits_now(claimed, claimed_at), peer_exit_timeout_s=ctx.settings.peer_exit_timeout_s
+            ),
+            nnodes=launch.nnodes,
         )
         outcome = supervisor.run()
     except InvalidSpec as exc:
@@ -69,13 +78,21 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         )
     finally:
         node_db.close()
-    record_end(ctx.db, key, outcome)
+    record_end(ctx.db, key, outcome, worker=ctx.name)
     if supervisor is not None:
         supervisor.cleanup()
     else:
         remove_run_dir(run_dir)
     log.info("job %s attempt %s node %s ended: %s", job_id, attempt, node_rank, outcome.state)
     return outcome.state
+
+
+def _limits_now(claimed: Claimed, claimed_at: float) -> NodeLimits:
+    """The time limit counts from the claim: building the environment is part of the run."""
+    left = claimed.limits.time_left_s
+    if left is None:
+        return claimed.limits
+    return dataclasses.replace(claimed.limits, time_left_s=max(0.0, left - (time.monotonic() - claimed_at)))
 
 
 def _claim(ctx: WorkerContext, key: NodeKey) -> Claimed | None:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from service.checkpoints import repository as repo
 from service.db import Database
 from service.jobs.node_reports import NodeKey
+from service.jobs.reports import touch_report
 from service.jobs.states import append_event
 from service.models import Checkpoint, Job
 from service.schemas import checkpoint_out
@@ -63,6 +64,7 @@ def store_rank_checkpoint(
             metrics=meta.get("metrics") or {},
         )
         ckpt_id = record_checkpoint(session, ckpt).id
+        touch_report(session, key)  # a checkpoint is a report: the stall clock starts again
     _retain(db, storage, key.job_id)
     return ckpt_id
 

@@ -8,6 +8,7 @@ import httpx
 import typer
 
 from service.cli.processes import run_db_upgrade, run_server, run_up, run_worker_cmd
+from service.client import admin_commands
 from service.client import commands as client_cmds
 
 app = typer.Typer(
@@ -18,6 +19,7 @@ app = typer.Typer(
 db_app = typer.Typer(help="Database commands.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 client_cmds.register(app)
+admin_commands.register(app)
 
 
 @app.callback()

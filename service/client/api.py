@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
@@ -216,6 +217,29 @@ class Client:
 
     def cancel(self, job_id: int) -> dict[str, Any]:
         return _json(self.http.post(f"/v1/jobs/{job_id}/cancel"))
+
+    def users(self) -> builtins.list[dict[str, Any]]:
+        return list(self._get("/v1/users")["items"])
+
+    def add_user(self, name: str, **limits: Any) -> dict[str, Any]:
+        return dict(_json(self.http.post("/v1/users", json={"name": name, **limits})))
+
+    def patch_user(self, user_id: int, **fields: Any) -> dict[str, Any]:
+        return dict(_json(self.http.patch(f"/v1/users/{user_id}", json=fields)))
+
+    def revoke(self, user_id: int) -> None:
+        resp = self.http.delete(f"/v1/users/{user_id}/tokens")
+        if resp.status_code != 204:
+            _json(resp)
+
+    def usage(self, **params: Any) -> dict[str, Any]:
+        return dict(self._get("/v1/usage", **params))
+
+    def workers(self) -> builtins.list[dict[str, Any]]:
+        return list(self._get("/v1/workers")["items"])
+
+    def readmit(self, worker: str) -> dict[str, Any]:
+        return dict(_json(self.http.post(f"/v1/workers/{quote(worker, safe='')}/readmit")))
 
     def checkpoints(self, job_id: int) -> builtins.list[dict[str, Any]]:
         return self._get(f"/v1/jobs/{job_id}/checkpoints")["items"]

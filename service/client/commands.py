@@ -68,7 +68,7 @@ def _push(client: Client, folder: Path, name: str | None = None) -> dict[str, An
         raise typer.Exit(2) from None
 
 
-def _emit(data: Any, output: str) -> None:
+def emit(data: Any, output: str) -> None:
     typer.echo(json.dumps(data, indent=2, default=str))
 
 
@@ -190,7 +190,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
                 spec["code"] = _push(client, workdir)["id"]
             job = client.submit(spec)
         if output == "json":
-            _emit(job, output)
+            emit(job, output)
         else:
             typer.echo(job["id"])
 
@@ -210,7 +210,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         """Pack and upload a folder (unless the server has it already); prints the code id."""
         with api(url, token) as client:
             code = _push(client, folder, name)
-        _emit(code, output) if output == "json" else typer.echo(code["id"])
+        emit(code, output) if output == "json" else typer.echo(code["id"])
 
     @code_app.command("ls")
     def code_ls(url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table") -> None:
@@ -218,7 +218,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         with api(url, token) as client:
             items = client.list_code()
         if output == "json":
-            _emit({"items": items}, output)
+            emit({"items": items}, output)
             return
         table = Table("id", "name", "files", "size", "unpacked", "created")
         for c in items:
@@ -244,7 +244,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         with api(url, token) as client:
             page = client.list(state=state, limit=limit)
         if output == "json":
-            _emit(page, output)
+            emit(page, output)
             return
         table = Table("id", "name", "state", "mode", "nodes×gpus", "progress", "loss", "created")
         for job in page["items"]:
@@ -267,7 +267,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
     def show(job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "json") -> None:
         """Show one job."""
         with api(url, token) as client:
-            _emit(client.get(job_id), output)
+            emit(client.get(job_id), output)
 
     @app.command()
     def watch(job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table") -> None:
@@ -295,7 +295,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         """Cancel a job (harmless if it is already cancelling or cancelled)."""
         with api(url, token) as client:
             job = client.cancel(job_id)
-        _emit(job, output) if output == "json" else typer.echo(job["state"])
+        emit(job, output) if output == "json" else typer.echo(job["state"])
 
     @app.command()
     def checkpoints(
@@ -305,7 +305,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         with api(url, token) as client:
             items = client.checkpoints(job_id)
         if output == "json":
-            _emit({"items": items}, output)
+            emit({"items": items}, output)
             return
         table = Table("id", "name", "epoch", "step", "size", "sha256", "created")
         for c in items:
@@ -349,7 +349,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
                 console.print(f"[red]error[/red]: {exc!r}; run the same command again to resume")
                 raise typer.Exit(1) from None
         result = {"id": ckpt_id, "path": dest, "sha256": sha, "verified": True}
-        _emit(result, output) if output == "json" else typer.echo(f"{dest} sha256 {sha} verified")
+        emit(result, output) if output == "json" else typer.echo(f"{dest} sha256 {sha} verified")
 
     @app.command()
     def upload(
@@ -362,7 +362,7 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         """Upload your own checkpoint to resume from."""
         with api(url, token) as client:
             ckpt = client.upload(str(path), name)
-        _emit(ckpt, output) if output == "json" else typer.echo(ckpt["id"])
+        emit(ckpt, output) if output == "json" else typer.echo(ckpt["id"])
 
 
 def _watch(client: Client, job_id: int, output: str) -> str:

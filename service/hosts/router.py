@@ -1,14 +1,23 @@
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
 
-from service.api.deps import SessionDep, UserDep
+from fastapi import APIRouter, Path
+
+from service.api.deps import AdminDep, SessionDep, UserDep
 from service.hosts import service
-from service.hosts.schemas import WorkerList
+from service.hosts.schemas import WorkerList, WorkerOut
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
+WorkerName = Annotated[str, Path(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
 
 @router.get("", response_model=WorkerList)
 def list_workers(session: SessionDep, user: UserDep) -> WorkerList:
     return service.list_workers(session, user)
+
+
+@router.post("/{name}/readmit", response_model=WorkerOut)
+def readmit(name: WorkerName, session: SessionDep, _admin: AdminDep) -> WorkerOut:
+    """A quarantined host takes work again, its count of failures in a row reset (contract §8)."""
+    return service.readmit_worker(session, name)

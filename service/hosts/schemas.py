@@ -12,7 +12,9 @@ class WorkerOut(BaseModel):
     gpus: int
     gpu_ids: list[str]  # the physical GPU behind each slot: the worker's CUDA_VISIBLE_DEVICES entries
     gpus_free: int
-    state: str
+    state: str  # "online" | "offline" | "quarantined" (online, but taking no new work: contract §8)
+    reason: str | None = None  # why it is quarantined
+    infra_failures: int = 0  # attempts in a row that ended in an infrastructure failure here
     last_heartbeat: datetime
     started_at: datetime  # when this worker process registered: a restart moves it
     jobs: list[int]  # the caller's own jobs there (the admin: every job)

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
+from service.hosts import health
 from service.hosts import repository as repo
 from service.hosts.schemas import WorkerList, WorkerOut
-from service.models import User
+from service.models import User, Worker
 from service.states import WorkerState
 
 
@@ -23,21 +24,37 @@ def list_workers(session: Session, caller: User | None) -> WorkerList:
             jobs.setdefault(alloc.worker_name, set()).add(alloc.job_id)
     return WorkerList(
         items=[
-            WorkerOut(
-                name=w.name,
-                address=w.address,
-                accelerator=w.accelerator,
-                gpus=w.gpus,
-                gpu_ids=list(w.gpu_ids or [str(i) for i in range(w.gpus)]),
-                gpus_free=max(0, w.gpus - len(used.get(w.name, ()))) if w.state == WorkerState.ONLINE else 0,
-                state=w.state,
-                last_heartbeat=w.last_heartbeat,
-                started_at=w.started_at,
-                jobs=sorted(jobs.get(w.name, ())),
-                isolation=w.isolation,
-                isolation_detail=w.isolation_detail,
-                open_to_all=w.open_to_all,
-            )
+            worker_out(w, used.get(w.name, set()), sorted(jobs.get(w.name, ())))
             for w in repo.all_workers(session)
         ]
     )
+
+
+def worker_out(w: Worker, used: set[int], jobs: list[int]) -> WorkerOut:
+    """A quarantined host is online but takes no new work: it shows no free GPUs (contract §8)."""
+    takes_work = w.state == WorkerState.ONLINE and w.quarantine_reason is None
+    quarantined = w.state == WorkerState.ONLINE and w.quarantine_reason is not None
+    return WorkerOut(
+        name=w.name,
+        address=w.address,
+        accelerator=w.accelerator,
+        gpus=w.gpus,
+        gpu_ids=list(w.gpu_ids or [str(i) for i in range(w.gpus)]),
+        gpus_free=max(0, w.gpus - len(used)) if takes_work else 0,
+        state="quarantined" if quarantined else w.state,
+        reason=w.quarantine_reason,
+        infra_failures=w.infra_failures,
+        last_heartbeat=w.last_heartbeat,
+        started_at=w.started_at,
+        jobs=jobs,
+        isolation=w.isolation,
+        isolation_detail=w.isolation_detail,
+        open_to_all=w.open_to_all,
+    )
+
+
+def readmit_worker(session: Session, name: str) -> WorkerOut:
+    worker = health.readmit(session, name)
+    session.flush()
+    held = [a for a in repo.allocations(session) if a.worker_name == name]
+    return worker_out(worker, {a.gpu_index for a in held}, sorted({a.job_id for a in held}))

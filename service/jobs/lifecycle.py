@@ -18,7 +18,8 @@ from sqlalchemy.orm import Session
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from service.db import Database
-from service.jobs.node_reports import END_WRITE_PATIENCE_S, NodeKey, NodeOutcome
+from service.hosts.health import HostVerdict, record_node_end
+from service.jobs.node_reports import END_WRITE_PATIENCE_S, NodeKey, NodeLimits, NodeOutcome
 from service.jobs.states import (
     ACTIVE,
     CANCELLED,
@@ -46,6 +47,7 @@ class Claimed:
     resume: tuple[int, str, str] | None  # (checkpoint id, storage key, sha256)
     code: str | None = None  # the job's uploaded code (its SHA-256), unpacked on the worker
     pip: tuple[str, ...] = ()  # the job's environment.pip, built on the worker before its ranks
+    limits: NodeLimits = NodeLimits()  # its stall timeout and what is left of its time limit
 
 
 def runs_of(session: Session, job_id: int, attempt: int) -> Sequence[NodeRun]:
@@ -143,7 +145,7 @@ def _attempt_row(session: Session, job: Job) -> JobAttempt:
         select(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt)
     ).scalar_one_or_none()
     if row is None:
-        row = JobAttempt(job_id=job.id, attempt=job.attempt)
+        row = JobAttempt(job_id=job.id, attempt=job.attempt, gpus=job.nodes * job.gpus_per_node)
         session.add(row)
     return row
 
@@ -160,20 +162,22 @@ def _summary(exit_code: int | None, error: str) -> str:
     return f"exit code {exit_code}" if exit_code is not None else (lines[-1] if lines else error)[:300]
 
 
-def lose_node(session: Session, run: NodeRun, reason: str) -> None:
-    """The reaper's verdict on one node: its worker is gone, or it never started in time."""
+def lose_node(session: Session, run: NodeRun, reason: str) -> bool:
+    """The reaper's verdict on one node: its worker is gone, or it never started in time.
+    True when that ended a live attempt (what counts against the host: `service.hosts.health`)."""
     job = lock_job(session, run.job_id)
     if job is None:
-        return
+        return False
     if job.attempt != run.attempt or job.state not in ACTIVE:
         transition_node(run, NodeState.LOST)
-        return
+        return False
     transition_node(run, NodeState.LOST, error=reason)
     if job.state == CANCELLING:
         cancel_pending_nodes(session, job)
-        return
+        return False
     detail = f"{reason}: node {run.node_rank} on worker {run.worker_name}"
     end_attempt(session, job, None, detail, retryable=True)
+    return True
 
 
 def claim_for_launch(session: Session, key: NodeKey, worker_session: str) -> Claimed | None:
@@ -204,7 +208,24 @@ def claim_for_launch(session: Session, key: NodeKey, worker_session: str) -> Cla
     if latest is not None and key.node_rank == 0:
         job.progress = resumed_progress(job.progress, latest)
     pip = tuple((job.environment or {}).get("pip") or ())
-    return Claimed(launch_fields=fields, resume=resume, code=job.code, pip=pip)
+    limits = node_limits(session, job)
+    return Claimed(launch_fields=fields, resume=resume, code=job.code, pip=pip, limits=limits)
+
+
+def node_limits(session: Session, job: Job) -> NodeLimits:
+    """The clocks of contract §8: `max_duration_s` counts every earlier attempt's run time."""
+    time_left = None
+    if job.max_duration_s is not None:
+        earlier = session.execute(
+            select(JobAttempt.started_at, JobAttempt.finished_at).where(
+                JobAttempt.job_id == job.id, JobAttempt.attempt < job.attempt
+            )
+        ).all()
+        used = sum((end - start).total_seconds() for start, end in earlier if start and end)
+        time_left = max(0.0, job.max_duration_s - used)
+    return NodeLimits(
+        stall_timeout_s=job.stall_timeout_s, time_left_s=time_left, max_duration_s=job.max_duration_s
+    )
 
 
 def resumed_progress(progress: dict[str, Any] | None, ckpt: Checkpoint) -> dict[str, Any]:
@@ -221,9 +242,22 @@ def resumed_progress(progress: dict[str, Any] | None, ckpt: Checkpoint) -> dict[
     before_sleep=before_sleep_log(log, logging.WARNING),
     reraise=True,
 )
-def record_end(db: Database, key: NodeKey, outcome: NodeOutcome) -> None:
+def record_end(db: Database, key: NodeKey, outcome: NodeOutcome, worker: str | None = None) -> None:
     """The node's end, retried while the database is away (restarting, locked, unreachable):
     if it were dropped the job would stay `running` on a live worker that no longer runs it.
-    Idempotent: a node already ended keeps its first outcome."""
+    Idempotent: a node already ended keeps its first outcome. Then what the end says of the
+    `worker`'s host, in a transaction of its own (`service.hosts.health` says why)."""
     with db.transaction() as session:
         finish_node(session, key.job_id, key.attempt, key.node_rank, outcome)
+    if worker is not None:
+        with db.transaction() as session:
+            detail = outcome.error or outcome.state
+            record_node_end(session, worker, host_verdict(outcome), detail, db.settings.quarantine_after)
+
+
+def host_verdict(outcome: NodeOutcome) -> HostVerdict:
+    """A retryable failure is the infrastructure's (contract §8); success or the job's own
+    error shows a host that works; a cancel or a stop from elsewhere says nothing of it."""
+    if outcome.state == NodeState.FAILED:
+        return HostVerdict.FAILED_HERE if outcome.retryable else HostVerdict.WORKED
+    return HostVerdict.WORKED if outcome.state == NodeState.SUCCEEDED else HostVerdict.NOTHING

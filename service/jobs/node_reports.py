@@ -8,7 +8,8 @@ writer (`service.jobs.reports`) store them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import datetime
+from typing import Any, NamedTuple
 
 from service.states import JobState, NodeState
 
@@ -41,4 +42,20 @@ class Batch:
         return bool(self.logs or self.events)
 
 
-JobControl = tuple[JobState | str, int]  # the job's (state, attempt): what a supervisor acts on
+class JobControl(NamedTuple):
+    """The job as a supervisor's look finds it: what it acts on."""
+
+    state: JobState | str
+    attempt: int
+    last_report_at: datetime | None = None  # any rank of any node, stored (contract §8 stalls)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLimits:
+    """A node's clocks (contract §8), read at its claim. `time_left_s` is what the job's
+    `max_duration_s` leaves after its earlier attempts; `max_duration_s` is said in the error."""
+
+    stall_timeout_s: float | None = None
+    time_left_s: float | None = None
+    max_duration_s: int | None = None
+    peer_exit_timeout_s: float | None = None  # a multi-node job's straggler (the worker's setting)

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager
+from datetime import datetime
 from typing import Any, Protocol
 
-from sqlalchemy import select, update
+from sqlalchemy import case, literal, select, update
 from sqlalchemy.orm import Session
 
 from service.db import Database
 from service.jobs.node_reports import Batch, JobControl, NodeKey
 from service.jobs.schemas import PROGRESS_FIELDS
 from service.jobs.states import append_attempt_events
-from service.models import Job, LogChunk
+from service.models import Job, LogChunk, NodeRun, utcnow
+from service.models.base import UTCDateTime
+from service.states import NODE_ACTIVE
 from service.wakeups.message import mark_logs
 
 MAX_CHUNK = 256 * 1024
@@ -56,9 +59,11 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
             mark_logs(session, key.job_id)
         progress = [e for e in batch.events if e.get("type", "progress") == "progress"]
         if not progress:
-            return _control(session, key.job_id)
+            return touch_report(session, key)
         cleaned = [_clean(event) for event in progress]
-        job = append_attempt_events(session, key.job_id, key.attempt, [("progress", d) for d in cleaned])
+        job = append_attempt_events(
+            session, key.job_id, key.attempt, [("progress", d) for d in cleaned], touch=True
+        )
         if job is None:  # gone, or on another attempt: its reports are not this job's now
             return _control(session, key.job_id)
         latest = dict(job.progress or {})
@@ -66,7 +71,24 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
             latest.update({k: data[k] for k in PROGRESS_FIELDS if k in data})
         if latest != job.progress:
             session.execute(update(Job).where(Job.id == key.job_id).values(progress=latest))
-        return job.state, key.attempt
+        return JobControl(job.state, key.attempt, job.last_report_at)
+
+
+def touch_report(session: Session, key: NodeKey) -> JobControl | None:
+    """A rank of the job's current attempt said something: its stall clock starts again
+    (contract §8). One statement also reads the job back for the supervisor's look."""
+    row = session.execute(
+        update(Job)
+        .where(Job.id == key.job_id)
+        .values(
+            last_report_at=case(
+                (Job.attempt == key.attempt, literal(utcnow(), UTCDateTime())), else_=Job.last_report_at
+            )
+        )
+        .returning(Job.state, Job.attempt, Job.last_report_at)
+        .execution_options(synchronize_session=False)
+    ).one_or_none()
+    return JobControl(row.state, row.attempt, row.last_report_at) if row else None
 
 
 def node_event(db: Transactions, key: NodeKey, type_: str, data: dict[str, Any]) -> None:
@@ -77,9 +99,27 @@ def node_event(db: Transactions, key: NodeKey, type_: str, data: dict[str, Any])
         )
 
 
+def peers_ended_at(db: Database, key: NodeKey) -> datetime | None:
+    """When the last of the attempt's other nodes ended, once every one of them has; None
+    while any still runs (or the job has one node): a straggler's clock (contract §8)."""
+    with db.sessionmaker() as session:
+        rows = session.execute(
+            select(NodeRun.state, NodeRun.finished_at).where(
+                NodeRun.job_id == key.job_id,
+                NodeRun.attempt == key.attempt,
+                NodeRun.node_rank != key.node_rank,
+            )
+        ).all()
+    if not rows or any(r.state in NODE_ACTIVE or r.finished_at is None for r in rows):
+        return None
+    return max(r.finished_at for r in rows)
+
+
 def _control(session: Session, job_id: int) -> JobControl | None:
-    row = session.execute(select(Job.state, Job.attempt).where(Job.id == job_id)).one_or_none()
-    return (row.state, row.attempt) if row else None
+    row = session.execute(
+        select(Job.state, Job.attempt, Job.last_report_at).where(Job.id == job_id)
+    ).one_or_none()
+    return JobControl(row.state, row.attempt, row.last_report_at) if row else None
 
 
 def _clean(event: dict[str, Any]) -> dict[str, Any]:
@@ -100,6 +140,6 @@ def _clean(event: dict[str, Any]) -> dict[str, Any]:
 
 
 def job_control(db: Database, job_id: int) -> JobControl | None:
-    """The job's (state, attempt), read without a lock: what a supervisor polls."""
+    """The job's state, attempt and last report, read without a lock: what a supervisor polls."""
     with db.sessionmaker() as session:
         return _control(session, job_id)

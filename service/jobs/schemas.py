@@ -43,6 +43,8 @@ class AttemptOut(Output):
     finished_at: datetime | None
     exit_code: int | None
     reason: str | None
+    gpus: int = 0
+    gpu_seconds: float = 0.0  # contract §9: while it runs, up to the moment it was read
 
 
 class JobOut(BaseModel):
@@ -57,6 +59,8 @@ class JobOut(BaseModel):
     hyperparameters: dict[str, Any] | None
     resume_from: dict[str, Any] | None
     max_retries: int
+    max_duration_s: int | None = None  # contract §8
+    stall_timeout_s: int | None = None
     attempt: int
     priority: int
     labels: dict[str, str]
@@ -70,6 +74,7 @@ class JobOut(BaseModel):
     pending_reason: str | None
     queue_position: int | None
     attempts: list[AttemptOut]
+    gpu_seconds: float = 0.0  # every attempt's, failed and cancelled ones too (contract §9)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

@@ -37,10 +37,11 @@ from service.jobs.states import (
     transition_job,
 )
 from service.jobs.validation import validate_in_context
-from service.models import Checkpoint, Job, User
+from service.models import Checkpoint, Job, User, utcnow
 from service.schemas import MAX_ID, checkpoint_out
 from service.states import JobState
 from service.storage import Storage
+from service.usage.accounting import attempt_gpu_seconds
 
 
 def submit_job(
@@ -74,6 +75,8 @@ def submit_job(
         code=spec.code,
         environment=spec.environment.model_dump() if spec.environment else None,
         max_retries=spec.max_retries,
+        max_duration_s=spec.max_duration_s,
+        stall_timeout_s=spec.stall_timeout_s,
         priority=spec.priority,
         attempt=1,
         idempotency_key=idempotency_key,
@@ -192,8 +195,11 @@ def job_views(session: Session, jobs: Sequence[Job], viewer: User | None = None)
             Assignment(node_rank=run.node_rank, worker=run.worker_name, gpus=list(run.gpus))
         )
     attempts: dict[int, list[AttemptOut]] = {}
+    now = utcnow()
     for att in repo.attempts_for(session, ids):
-        attempts.setdefault(att.job_id, []).append(AttemptOut.model_validate(att))
+        out = AttemptOut.model_validate(att)
+        out.gpu_seconds = round(attempt_gpu_seconds(att, now), 3)
+        attempts.setdefault(att.job_id, []).append(out)
     latest = repo.latest_checkpoints(session, ids)
     positions = repo.queue_positions(session, jobs)
     return [
@@ -209,6 +215,8 @@ def job_views(session: Session, jobs: Sequence[Job], viewer: User | None = None)
             hyperparameters=j.hyperparameters,
             resume_from=j.resume_from,
             max_retries=j.max_retries,
+            max_duration_s=j.max_duration_s,
+            stall_timeout_s=j.stall_timeout_s,
             attempt=j.attempt,
             priority=j.priority,
             labels=j.labels or {},
@@ -222,6 +230,7 @@ def job_views(session: Session, jobs: Sequence[Job], viewer: User | None = None)
             pending_reason=j.pending_reason if j.state == QUEUED else None,
             queue_position=positions.get(j.id),
             attempts=attempts.get(j.id, []),
+            gpu_seconds=round(sum(a.gpu_seconds for a in attempts.get(j.id, [])), 3),
             created_at=j.created_at,
             started_at=j.started_at,
             finished_at=j.finished_at,

@@ -156,6 +156,15 @@ class JobSpec(Input):
     hyperparameters: Hyperparameters | None = None
     resume_from: ResumeFrom | None = None
     max_retries: int = Field(0, ge=0, le=10)
+    max_duration_s: int | None = Field(
+        None, ge=1, le=10**8, description="seconds over all attempts, then checkpoint and fail (null: none)"
+    )
+    stall_timeout_s: int | None = Field(
+        600,
+        ge=1,
+        le=10**7,
+        description="seconds with no log, event or checkpoint from any rank (null: off)",
+    )
     priority: int = Field(0, ge=-1000, le=1000)
     env: dict[str, Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict, max_length=64)
     labels: dict[str, Annotated[str, Field(max_length=256)]] = Field(default_factory=dict, max_length=32)

@@ -10,6 +10,7 @@ tests/test_state_gates.py fails when another module writes a `state` column.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Row, delete, select, update
@@ -71,17 +72,25 @@ def append_events(session: Session, job_id: int, items: list[tuple[str, dict[str
 
 
 def append_attempt_events(
-    session: Session, job_id: int, attempt: int, items: list[tuple[str, dict[str, Any]]]
-) -> Row[tuple[int, str, dict[str, Any] | None]] | None:
+    session: Session,
+    job_id: int,
+    attempt: int,
+    items: list[tuple[str, dict[str, Any]]],
+    touch: bool = False,
+) -> Row[tuple[int, str, dict[str, Any] | None, datetime | None]] | None:
     """`append_events` for one attempt of the job, or nothing: one statement allocates the
     `seq`s, takes the row lock and returns the job's (last_event_seq, state, progress), where
     a lock, a check and an update took three. None, with nothing appended, when the job is
-    gone or has moved on to another attempt."""
+    gone or has moved on to another attempt. `touch`: the ranks reported, and the job's
+    `last_report_at` (its stall clock, contract §8) moves in the same statement."""
+    values: dict[str, Any] = {"last_event_seq": Job.last_event_seq + len(items)}
+    if touch:
+        values["last_report_at"] = utcnow()
     row = session.execute(
         update(Job)
         .where(Job.id == job_id, Job.attempt == attempt)
-        .values(last_event_seq=Job.last_event_seq + len(items))
-        .returning(Job.last_event_seq, Job.state, Job.progress)
+        .values(**values)
+        .returning(Job.last_event_seq, Job.state, Job.progress, Job.last_report_at)
         .execution_options(synchronize_session=False)
     ).one_or_none()
     if row is not None:
@@ -148,6 +157,9 @@ def _close_attempt(session: Session, job: Job, reason: str | None) -> None:
         attempt.finished_at = utcnow()
         attempt.exit_code = job.exit_code
         attempt.reason = reason or job.state
+        if attempt.started_at is not None:  # contract §9: every attempt counts, failed ones too
+            held = (attempt.finished_at - attempt.started_at).total_seconds()
+            attempt.gpu_seconds = max(0.0, held) * attempt.gpus
 
 
 def transition_node(

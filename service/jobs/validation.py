@@ -42,6 +42,23 @@ def check_code(session: Session, spec: JobSpec, user: User) -> None:
             raise InvalidSpec(("entrypoint", "path"), "with code, a path relative to the code's root")
 
 
+def check_owner_limits(spec: JobSpec, user: User) -> None:
+    """Contract §9: priority is the admin's to give, up to each user's `max_priority`; a job
+    larger than its owner's `gpu_quota` could never start."""
+    if not user.is_admin and spec.priority > user.max_priority:
+        raise InvalidSpec(
+            ("priority",),
+            f"{spec.priority} is above your max_priority {user.max_priority} (set by the admin)",
+        )
+    gpus = spec.nodes * spec.gpus_per_node
+    if user.gpu_quota is not None and gpus > user.gpu_quota:
+        raise InvalidSpec(
+            ("gpu_quota",),
+            f"the job asks for {gpus} GPUs ({spec.nodes} nodes x {spec.gpus_per_node}); "
+            f"your gpu_quota is {user.gpu_quota}",
+        )
+
+
 def check_amp(session: Session, spec: JobSpec) -> None:
     """fp16 needs CUDA (its GradScaler has no CPU form): refuse it where no worker has CUDA."""
     hyper = spec.hyperparameters
@@ -120,5 +137,6 @@ def validate_in_context(
     elif isinstance(spec.entrypoint, ScriptEntrypoint):
         resolve_script(spec.entrypoint.path, settings.script_root_paths)
     check_fits_cluster(session, spec)
+    check_owner_limits(spec, user)
     check_amp(session, spec)
     return resolve_resume(session, settings, storage, spec, user)

@@ -14,13 +14,16 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+from sqlalchemy import select
 
 from service.db import Database
 from service.hosts import service as hosts_service
 from service.jobs.states import ALL_STATES
 from service.jobs.view_cache import ViewCache
 from service.metrics import repository as repo
+from service.models import User
 from service.states import WorkerState
+from service.usage.accounting import totals_by_owner
 
 # Seconds a job waits in the queue: from "a free slot was there" to "a cluster was busy for hours".
 QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
@@ -45,12 +48,23 @@ class DatabaseCollector(Collector):
             oldest = repo.oldest_queued_since(session)
             used = repo.gpus_used_by_worker(session)
             workers = hosts_service.list_workers(session, None).items
-        now = self._clock()
+            now = self._clock()
+            gpu_seconds = totals_by_owner(session, now)
+            names = dict(session.execute(select(User.id, User.name)).all())
 
         jobs = GaugeMetricFamily("torchjobs_jobs", "Jobs in each state.", labels=["state"])
         for state in ALL_STATES:
             jobs.add_metric([state], counts.get(state, 0))
         yield jobs
+
+        by_user = CounterMetricFamily(
+            "torchjobs_user_gpu_seconds",
+            "GPU-seconds used by each user's jobs, every attempt, running ones up to now (contract §9).",
+            labels=["user"],
+        )
+        for owner, seconds in sorted(gpu_seconds.items()):
+            by_user.add_metric([names.get(owner, str(owner))], seconds)
+        yield by_user
 
         yield queue_wait_histogram([(started - queued).total_seconds() for queued, started in waits])
 
@@ -77,12 +91,18 @@ class DatabaseCollector(Collector):
             "1 while the worker heartbeats, 0 once it is offline.",
             labels=["worker"],
         )
+        quarantined = GaugeMetricFamily(
+            "torchjobs_worker_quarantined",
+            "1 while the worker is quarantined: heartbeating, but taking no new work (contract §8).",
+            labels=["worker"],
+        )
         for w in workers:
             total.add_metric([w.name], w.gpus)
             busy.add_metric([w.name], used.get(w.name, 0))
             free.add_metric([w.name], w.gpus_free)
-            online.add_metric([w.name], 1 if w.state == WorkerState.ONLINE else 0)
-        yield from (total, busy, free, online)
+            online.add_metric([w.name], 1 if w.state in (WorkerState.ONLINE, "quarantined") else 0)
+            quarantined.add_metric([w.name], 1 if w.state == "quarantined" else 0)
+        yield from (total, busy, free, online, quarantined)
 
 
 def queue_wait_histogram(waits: Sequence[float]) -> HistogramMetricFamily:

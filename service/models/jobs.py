@@ -6,6 +6,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -44,6 +45,10 @@ class Job(Base):
     environment: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # {"pip": [...]}
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     max_retries: Mapped[int] = mapped_column(Integer, default=0)
+    max_duration_s: Mapped[int | None] = mapped_column(Integer)  # summed over attempts (contract §8)
+    stall_timeout_s: Mapped[int | None] = mapped_column(Integer)  # None: never judged stalled
+    # the last time any rank of the current attempt reported (a log byte, an event, a checkpoint)
+    last_report_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     attempt: Mapped[int] = mapped_column(Integer, default=1)
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)
@@ -82,6 +87,10 @@ class JobAttempt(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     exit_code: Mapped[int | None] = mapped_column(Integer)
     reason: Mapped[str | None] = mapped_column(Text)
+    gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # nodes x GPUs per node
+    # contract §9: GPUs x (end - start), written when the attempt ends; while it runs, it is
+    # counted up to the moment it is read (service/usage)
+    gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
 
 
 class NodeRun(Base):

@@ -14,27 +14,30 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Row, select, text, update
+from sqlalchemy import Row, func, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.db import Database
 from service.hosts import repository as hosts_repo
+from service.hosts.health import HostVerdict, record_node_end
 from service.hosts.states import take_offline
 from service.jobs.lifecycle import cancel_pending_nodes, lose_node, open_attempt, runs_of
 from service.jobs.states import ACTIVE, CANCELLING, QUEUED, SCHEDULED, lock_job, transition_job
 from service.models import GpuAllocation, Job, NodeRun, User, Worker, utcnow
 from service.scheduler.outages import DatabaseOutages
-from service.scheduler.placement import Host, QueuedJob, plan
+from service.scheduler.placement import Host, Owner, QueuedJob, plan
 from service.states import NODE_ACTIVE, NodeState, WorkerState
+from service.usage.accounting import recent_by_owner
 
 log = logging.getLogger("torchjobs.scheduler")
 ADVISORY_KEY = 0x746A6F6273  # "tjobs"
+FAIR_SHARE_MEMORY = timedelta(days=1)  # how far back GPU-seconds break fair-share ties
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,7 +141,11 @@ def reap(session: Session, settings: Settings, judge_silence: bool = True) -> No
             and (now - run.created_at).total_seconds() > settings.rendezvous_timeout_s
         )
         if gone or late:
-            lose_node(session, run, "worker lost" if gone else f"node {run.node_rank} did not start in time")
+            reason = "worker lost" if gone else f"node {run.node_rank} did not start in time"
+            if lose_node(session, run, reason):
+                record_node_end(
+                    session, run.worker_name, HostVerdict.FAILED_HERE, reason, settings.quarantine_after
+                )
     for job in session.execute(select(Job).where(Job.state == CANCELLING)).scalars().all():
         if all(r.state != NodeState.RUNNING for r in runs_of(session, job.id, job.attempt)):
             cancel_pending_nodes(session, job)
@@ -152,6 +159,7 @@ class PlacementInputs:
     queued: list[QueuedJob]
     hosts: list[Host]
     workers: dict[str, Worker]
+    owners: dict[int, Owner] = field(default_factory=dict)
 
 
 def placement_inputs(session: Session) -> PlacementInputs:
@@ -164,6 +172,7 @@ def placement_inputs(session: Session) -> PlacementInputs:
             Job.gpus_per_node,
             Job.queued_at,
             Job.pending_reason,
+            Job.owner_id,
             User.is_admin,
         )
         .join(User, User.id == Job.owner_id)
@@ -184,6 +193,7 @@ def placement_inputs(session: Session) -> PlacementInputs:
             name=n,
             free=tuple(i for i in range(w.gpus) if i not in used.get(n, set())),
             open_to_all=w.open_to_all,
+            quarantined=w.quarantine_reason is not None,
         )
         for n, w in workers.items()
     ]
@@ -196,10 +206,33 @@ def placement_inputs(session: Session) -> PlacementInputs:
             gpus_per_node=r.gpus_per_node,
             waited_s=(now - r.queued_at).total_seconds(),
             by_admin=bool(r.is_admin),
+            owner=r.owner_id,
         )
         for r in rows
     ]
-    return PlacementInputs(rows, queued, hosts, workers)
+    return PlacementInputs(rows, queued, hosts, workers, owners_of(session, {r.owner_id for r in rows}, now))
+
+
+def owners_of(session: Session, owner_ids: set[int], now: datetime) -> dict[int, Owner]:
+    """What fair share and quotas plan with (contract §9): the GPUs each owner holds now (their
+    jobs' allocation rows, read in the pass's own transaction, so a quota holds even against
+    a pass that placed a moment ago), their quota, their GPU-seconds of the last day."""
+    held = dict(
+        session.execute(
+            select(Job.owner_id, func.count())
+            .join(GpuAllocation, GpuAllocation.job_id == Job.id)
+            .where(Job.owner_id.in_(owner_ids))
+            .group_by(Job.owner_id)
+        ).all()
+    )
+    recent = recent_by_owner(session, owner_ids, since=now - FAIR_SHARE_MEMORY)
+    users = session.execute(select(User.id, User.name, User.gpu_quota).where(User.id.in_(owner_ids)))
+    return {
+        u.id: Owner(
+            name=u.name, in_use=int(held.get(u.id, 0)), quota=u.gpu_quota, recent_gpu_s=recent.get(u.id, 0.0)
+        )
+        for u in users
+    }
 
 
 def place(session: Session, settings: Settings) -> list[Dispatch]:
@@ -208,7 +241,7 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
     if not inputs.rows:
         return []
     rows, queued, hosts, workers = inputs.rows, inputs.queued, inputs.hosts, inputs.workers
-    decision = plan(queued, hosts, settings.starvation_s)
+    decision = plan(queued, hosts, settings.starvation_s, inputs.owners)
     _write_pending_reasons(session, rows, decision.pending_reasons, bool(workers))
     sent: list[Dispatch] = []
     busy_ports = _ports_in_use(session)

@@ -1,16 +1,22 @@
-"""Gang placement as a pure function: jobs and free GPU slots in, placements out.
+"""Gang placement as a pure function: jobs, free GPU slots and owners' usage in, placements out.
 
-Policy: jobs go in order of priority (higher first), then age. A job is placed only when
-every node fits at once, one node per distinct host, best fit first (the host with the
-fewest free GPUs that still fit) so that big holes stay open for big jobs. Smaller jobs may
-backfill around a job that does not fit, except once that job has waited `starvation_s`:
-from then on nothing behind it is placed until it is, so a stream of small jobs cannot
-starve a large one forever.
+Policy: jobs go in order of priority (higher first); among equal priorities the next job is
+the oldest of the owner who holds the fewest GPUs right now, counting what this pass has
+already placed (fair share; ties by the owner's recent GPU-seconds, then by age: contract §9).
+A job whose owner's `gpu_quota` it would exceed waits, and is never in anyone's way. A job is
+placed only when every node fits at once, one node per distinct host, best fit first (the
+host with the fewest free GPUs that still fit) so that big holes stay open for big jobs.
+Smaller jobs may backfill around a job that does not fit, except once that job has waited
+`starvation_s`: from then on nothing after it is placed until it is, so a stream of small
+jobs cannot starve a large one forever.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import heapq
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,6 +24,7 @@ class Host:
     name: str
     free: tuple[int, ...]
     open_to_all: bool = True  # False: an unsandboxed worker, which takes the admin's jobs only
+    quarantined: bool = False  # a sick host (contract §8): no new work until readmitted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +35,17 @@ class QueuedJob:
     gpus_per_node: int
     waited_s: float = 0.0
     by_admin: bool = True
+    owner: int = 0
+
+
+@dataclass(kw_only=True)
+class Owner:
+    """A user's standing in this pass: GPUs held (grows as the pass places their jobs)."""
+
+    name: str = ""
+    in_use: int = 0
+    quota: int | None = None
+    recent_gpu_s: float = 0.0  # GPU-seconds lately: breaks ties between equal holders
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,17 +62,56 @@ class Plan:
 
 
 def queue_order(jobs: list[QueuedJob]) -> list[QueuedJob]:
-    return sorted(jobs, key=lambda j: (-j.priority, j.id))
+    """Priority, then age: the order with every owner alike (no usage yet)."""
+    return list(FairOrder(jobs, {}))
 
 
-def plan(jobs: list[QueuedJob], hosts: list[Host], starvation_s: float) -> Plan:
-    free = {h.name: sorted(h.free) for h in hosts}
+class FairOrder:
+    """The jobs in placement order, decided one job at a time: after each placement the
+    owner's `in_use` has grown, and the owner holding the fewest GPUs goes next."""
+
+    def __init__(self, jobs: list[QueuedJob], owners: dict[int, Owner]) -> None:
+        self.owners = owners
+        self.levels: dict[int, dict[int, deque[QueuedJob]]] = {}
+        for job in sorted(jobs, key=lambda j: j.id):
+            self.levels.setdefault(job.priority, {}).setdefault(job.owner, deque()).append(job)
+
+    def owner(self, owner_id: int) -> Owner:
+        return self.owners.setdefault(owner_id, Owner())
+
+    def _key(self, owner_id: int, head: QueuedJob) -> tuple[int, float, int, int]:
+        o = self.owner(owner_id)
+        return (o.in_use, o.recent_gpu_s, head.id, owner_id)
+
+    def __iter__(self) -> Iterator[QueuedJob]:
+        for priority in sorted(self.levels, reverse=True):
+            queues = self.levels[priority]
+            heap = [self._key(o, q[0]) for o, q in queues.items()]
+            heapq.heapify(heap)
+            while heap:
+                owner_id = heapq.heappop(heap)[-1]
+                queue = queues[owner_id]
+                yield queue.popleft()  # the caller may grow the owner's in_use meanwhile
+                if queue:
+                    heapq.heappush(heap, self._key(owner_id, queue[0]))
+
+
+def plan(
+    jobs: list[QueuedJob], hosts: list[Host], starvation_s: float, owners: dict[int, Owner] | None = None
+) -> Plan:
+    free = {h.name: sorted(h.free) for h in hosts if not h.quarantined}
+    sick = {h.name: len(h.free) for h in hosts if h.quarantined}
     closed = {h.name for h in hosts if not h.open_to_all}
     result = Plan()
     blocker: QueuedJob | None = None
-    for job in queue_order(jobs):
+    order = FairOrder(jobs, {k: replace(o) for k, o in (owners or {}).items()})  # inputs stay as given
+    for job in order:
         if blocker is not None:
             result.pending_reasons[job.id] = f"waiting behind job {blocker.id}, which has waited longest"
+            continue
+        owner, need = order.owner(job.owner), job.nodes * job.gpus_per_node
+        if owner.quota is not None and owner.in_use + need > owner.quota:
+            result.pending_reasons[job.id] = _over_quota(owner, need)
             continue
         fitting = sorted(
             (n for n, gpus in free.items() if len(gpus) >= job.gpus_per_node), key=lambda n: (len(free[n]), n)
@@ -64,7 +121,8 @@ def plan(jobs: list[QueuedJob], hosts: list[Host], starvation_s: float) -> Plan:
             unsandboxed = sum(1 for n in fitting if n in closed)
             fitting = [n for n in fitting if n not in closed]
         if len(fitting) < job.nodes:
-            result.pending_reasons[job.id] = _reason(job, len(fitting), unsandboxed)
+            quarantined = sorted(n for n, k in sick.items() if k >= job.gpus_per_node)
+            result.pending_reasons[job.id] = _reason(job, len(fitting), unsandboxed, quarantined)
             if job.waited_s >= starvation_s:
                 blocker = job
             continue
@@ -73,13 +131,25 @@ def plan(jobs: list[QueuedJob], hosts: list[Host], starvation_s: float) -> Plan:
             taken, free[host] = tuple(free[host][: job.gpus_per_node]), free[host][job.gpus_per_node :]
             nodes.append(NodePlacement(node_rank=rank, host=host, gpus=taken))
         result.placements[job.id] = tuple(nodes)
+        owner.in_use += need
     return result
 
 
-def _reason(job: QueuedJob, fitting: int, unsandboxed: int = 0) -> str:
+def _over_quota(owner: Owner, need: int) -> str:
+    who = owner.name or "its owner"
+    return (
+        f"waits for its owner's gpu_quota: {who} holds {owner.in_use} of {owner.quota} GPUs "
+        f"and this job needs {need}"
+    )
+
+
+def _reason(job: QueuedJob, fitting: int, unsandboxed: int = 0, quarantined: list[str] | None = None) -> str:
     hosts = "1 has them" if fitting == 1 else f"{fitting} have them"
     node_word = "node" if job.nodes == 1 else "nodes"
     reason = f"needs {job.nodes} {node_word} with {job.gpus_per_node} free GPUs; {hosts}"
     if unsandboxed:
         reason += f" ({unsandboxed} more without a sandbox take only the admin's jobs)"
+    if quarantined:
+        names = ", ".join(quarantined)
+        reason += f"; quarantined, and would fit: {names} (an admin's POST /v1/workers/NAME/readmit)"
     return reason

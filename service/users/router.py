@@ -7,19 +7,32 @@ from fastapi import APIRouter, Path, Response
 from service.api.deps import AdminDep, SessionDep, UserDep
 from service.schemas import MAX_ID
 from service.users import service
-from service.users.schemas import UserCreate, UserCreated, UserOut
+from service.users.schemas import UserCreate, UserCreated, UserList, UserOut, UserPatch
 
 router = APIRouter(prefix="/v1", tags=["users"])
 
 
 @router.post("/users", status_code=201, response_model=UserCreated)
 def create_user(body: UserCreate, session: SessionDep, _admin: AdminDep) -> UserCreated:
-    return service.create_user(session, body.name)
+    return service.create_user(session, body)
+
+
+@router.get("/users", response_model=UserList)
+def list_users(session: SessionDep, _admin: AdminDep) -> UserList:
+    return service.list_users(session)
+
+
+@router.patch("/users/{user_id}", response_model=UserOut)
+def patch_user(
+    user_id: Annotated[int, Path(ge=1, le=MAX_ID)], body: UserPatch, session: SessionDep, _admin: AdminDep
+) -> UserOut:
+    """The admin changes a user's max_priority or gpu_quota (contract §9)."""
+    return service.patch_user(session, user_id, body)
 
 
 @router.get("/me", response_model=UserOut)
-def me(user: UserDep) -> UserOut:
-    return UserOut.model_validate(user)
+def me(user: UserDep, session: SessionDep) -> UserOut:
+    return service.user_out(user, service.gpus_in_use(session))
 
 
 @router.delete("/users/{user_id}/tokens", status_code=204)

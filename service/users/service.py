@@ -1,19 +1,26 @@
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.auth.tokens import hash_token, new_token
 from service.errors import Conflict, NotFound
-from service.models import User
-from service.users.schemas import UserCreated
+from service.models import GpuAllocation, Job, User
+from service.users.schemas import UserCreate, UserCreated, UserList, UserOut, UserPatch
 
 
-def create_user(session: Session, name: str) -> UserCreated:
+def create_user(session: Session, body: UserCreate) -> UserCreated:
+    name = body.name
     if session.execute(select(User.id).where(User.name == name)).scalar_one_or_none() is not None:
         raise Conflict(f"user {name!r} already exists")
     token = new_token()
-    user = User(name=name, token_hash=hash_token(token), is_admin=False)
+    user = User(
+        name=name,
+        token_hash=hash_token(token),
+        is_admin=False,
+        max_priority=body.max_priority,
+        gpu_quota=body.gpu_quota,
+    )
     session.add(user)
     session.flush()
     return UserCreated(id=user.id, name=user.name, token=token)
@@ -28,3 +35,36 @@ def rotate_token(session: Session, user_id: int, issue_new: bool) -> UserCreated
     user.token_hash = hash_token(token) if token else None
     session.flush()
     return UserCreated(id=user.id, name=user.name, token=token) if token else None
+
+
+def gpus_in_use(session: Session) -> dict[int, int]:
+    """GPUs held right now, by owner: their jobs' allocation rows."""
+    rows = session.execute(
+        select(Job.owner_id, func.count())
+        .join(GpuAllocation, GpuAllocation.job_id == Job.id)
+        .group_by(Job.owner_id)
+    ).all()
+    return {owner: int(n) for owner, n in rows}
+
+
+def user_out(user: User, in_use: dict[int, int]) -> UserOut:
+    out = UserOut.model_validate(user)
+    out.gpus_in_use = in_use.get(user.id, 0)
+    return out
+
+
+def list_users(session: Session) -> UserList:
+    in_use = gpus_in_use(session)
+    users = session.execute(select(User).order_by(User.id)).scalars()
+    return UserList(items=[user_out(u, in_use) for u in users])
+
+
+def patch_user(session: Session, user_id: int, body: UserPatch) -> UserOut:
+    """Changes apply from the scheduler's next pass; jobs already running keep their GPUs."""
+    user = session.get(User, user_id, with_for_update=True)
+    if user is None:
+        raise NotFound("user")
+    for field in body.model_fields_set:
+        setattr(user, field, getattr(body, field))
+    session.flush()
+    return user_out(user, gpus_in_use(session))

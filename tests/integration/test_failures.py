@@ -111,23 +111,29 @@ def final_weights(stack: Stack, job: dict) -> dict[str, torch.Tensor]:
     return torch.load(io.BytesIO(blob), weights_only=True)["state_dict"]["net"]
 
 
-@pytest.mark.parametrize("sandbox", ["auto", "off"])
+@pytest.mark.parametrize(("sandbox", "timed"), [("auto", False), ("off", False), ("auto", True)])
 def test_killed_worker_job_retries_from_checkpoint_to_identical_weights(
-    tmp_path: Path, pg_url: str, redis_url: str, sandbox: str
+    tmp_path: Path, pg_url: str, redis_url: str, sandbox: str, timed: bool
 ) -> None:
+    """`timed`: checkpoints by time only (`checkpoint_every_s`, contract §8), so the worker
+    dies mid-epoch and the retry starts from the middle of that epoch."""
     workers = {"w1": 2}
     stack = harness.production_stack(tmp_path, pg_url, redis_url, workers, TORCHJOBS_SANDBOX=sandbox)
     try:
-        _killed_worker_retries(stack, sandboxed=sandbox == "auto")
+        _killed_worker_retries(stack, sandboxed=sandbox == "auto", timed=timed)
     finally:
         stack.stop()
 
 
-def _killed_worker_retries(stack: Stack, sandboxed: bool) -> None:
+def _killed_worker_retries(stack: Stack, sandboxed: bool, timed: bool = False) -> None:
     hyper = {"epochs": 3, "synthetic_size": 12000, "num_workers": 0, "report_every": 20, "seed": 3}
+    if timed:
+        hyper.update(epochs=1, synthetic_size=120000, checkpoint_every=1000, checkpoint_every_s=2)
     spec = {"mode": "single", "entrypoint": LONG, "hyperparameters": hyper, "max_retries": 1}
     job = stack.submit(spec)
-    wait_event(stack, job["id"], lambda e: e["type"] == "checkpoint")
+    first = wait_event(stack, job["id"], lambda e: e["type"] == "checkpoint")
+    if timed:
+        assert first["data"]["epoch"] == 0 and first["data"]["step"] > 0, first  # mid-epoch
     # The worst case: the worker and its torchrun agent die at once (SIGKILL), so nobody
     # tells the ranks, which torchrun runs in sessions of their own.
     agents = [p for p in pids_of_job(job["id"], stack.home) if is_agent(p)]

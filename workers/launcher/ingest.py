@@ -80,6 +80,12 @@ class RankLogs:
         self.held_since: list[float] = []
         self.offset = 0
         self.backlog = False
+        self.notes: list[bytes] = []  # the worker's own lines for this log (a stall's stacks)
+
+    def note(self, text: str) -> None:
+        """Lines of the worker's, put in the combined stream at the next look, between whole
+        lines of the rank's: a `[stall]` header and the rank's stack (contract §8)."""
+        self.notes.append(text.encode(errors="replace").rstrip(b"\n") + b"\n")
 
     def _find(self) -> None:
         if self.streams:
@@ -99,7 +105,8 @@ class RankLogs:
         now = time.monotonic() if now is None else now
         start = self.offset
         self.backlog = False
-        parts = [self._take_preface()]
+        parts = [self._take_preface(), *self.notes]
+        self.notes = []
         for i, tail in enumerate(self.streams):
             new = tail.read_new()
             drained = len(new) < MAX_READ

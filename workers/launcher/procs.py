@@ -59,7 +59,7 @@ def sandbox_namespace(outer_pid: int) -> str | None:
     namespace, not the environment, tells one node's processes from another's."""
     mine = pid_namespace("self")
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and _parent(entry) == outer_pid:
+        if entry.isdigit() and parent_of(entry) == outer_pid:
             ns = pid_namespace(entry)
             if ns is not None and ns != mine:
                 return ns
@@ -95,8 +95,8 @@ def pid_namespace(pid: str) -> str | None:
         return None
 
 
-def _parent(pid: str) -> int | None:
-    fields = _stat(pid)
+def parent_of(pid: int | str) -> int | None:
+    fields = _stat(str(pid))
     return int(fields[1]) if len(fields) > 1 else None
 
 

@@ -17,12 +17,22 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from service.jobs.node_reports import END_WRITE_PATIENCE_S, Batch, JobControl, NodeKey, NodeOutcome
+from service.jobs.node_reports import (
+    END_WRITE_PATIENCE_S,
+    Batch,
+    JobControl,
+    NodeKey,
+    NodeLimits,
+    NodeOutcome,
+)
 from service.states import JobState, NodeState
+from workers.launcher import stall_report
+from workers.launcher.clocks import LOST_PEERS, STALL, TIME_LIMIT, NodeClock
 from workers.launcher.command import (
     LaunchPlan,
     config_json,
@@ -42,6 +52,7 @@ from workers.launcher.procs import (
     signal_all,
 )
 from workers.launcher.sandbox_spares import SpareSandboxes
+from workers.launcher.stacks import rank_processes
 from workers.launcher.warm_pool import WarmAgentPool
 from workers.launcher.workdir import copy_code
 
@@ -49,6 +60,7 @@ log = logging.getLogger("torchjobs.worker")
 POLL_S = 0.25
 CONTROL_EVERY_S = 1.0
 BATCH_EVERY_S = 0.5
+PEER_LOOK_EVERY_S = 5.0  # a multi-node job's look at whether its other nodes have all ended
 # While stored output waits on a database that refuses it, read no more than this (the files
 # keep the rest): back-pressure instead of memory without bound.
 MAX_PENDING_BYTES = 64 * 1024 * 1024
@@ -61,6 +73,9 @@ class Hooks:
     write_batch: Callable[[Batch], JobControl | None]
     record_checkpoint: Callable[[Any, dict[str, Any] | None, int], object]
     job_control: Callable[[], JobControl | None]
+    node_event: Callable[[str, dict[str, Any]], object] = field(default=lambda *_: None)
+    # when the attempt's other nodes had all ended (None while any runs): a straggler's clock
+    peers_ended: Callable[[], datetime | None] = field(default=lambda: None)
 
 
 class NodeSupervisor:
@@ -76,8 +91,13 @@ class NodeSupervisor:
         shutdown: threading.Event,
         host: str = "",
         agents: WarmAgentPool | None = None,
+        limits: NodeLimits | None = None,
+        nnodes: int = 1,
     ) -> None:
         self.key, self.plan, self.hooks, self.grace_s, self.shutdown = key, plan, hooks, grace_s, shutdown
+        self.clock = NodeClock(limits or NodeLimits())
+        self.nnodes = nnodes
+        self.next_peer_look = 0.0
         # torchrun's agent: a warm one from the worker's pool, or started cold
         self.agents = agents or cold_agents()
         self.host = host  # "worker NAME (ADDRESS)", so a failure names the machine it happened on
@@ -162,7 +182,9 @@ class NodeSupervisor:
                     next_batch = now + BATCH_EVERY_S
                 if self.stop_reason is None and now >= next_control:
                     next_control = now + CONTROL_EVERY_S
-                    self.stop_reason = self._should_stop()
+                    self.stop_reason = self._should_stop() or self._over_limit()
+                    if self.stop_reason in (STALL, LOST_PEERS):
+                        self._report_stall()
                     if self.stop_reason is not None:
                         return self._stop(proc)
                 due = min(next_batch, next_control) - time.monotonic()
@@ -185,7 +207,9 @@ class NodeSupervisor:
                 return None
             if control is None:
                 return "gone"
-        state, attempt = control
+        state, attempt = control[0], control[1]
+        if len(control) > 2:
+            self.clock.stored_report(control[2])
         if attempt != self.key.attempt:
             return "superseded"
         if state == JobState.CANCELLING:
@@ -193,6 +217,45 @@ class NodeSupervisor:
         if state in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED):
             return "superseded"
         return None
+
+    def _over_limit(self) -> str | None:
+        """The job's time limit, or its silence (contract §8), whose clock starts with the ranks."""
+        if self.clock.watches_silence and self.clock.ranks_started is None and self._rank_pids():
+            self.clock.ranks_up()
+        now = time.monotonic()
+        if (
+            self.nnodes > 1
+            and self.clock.limits.peer_exit_timeout_s is not None
+            and now >= self.next_peer_look
+        ):
+            self.next_peer_look = now + PEER_LOOK_EVERY_S
+            try:
+                self.clock.peers_ended(self.hooks.peers_ended())
+            except Exception:  # the database away: the next look asks again
+                log.debug("job %s node %s: could not look at the other nodes", *self._ids(), exc_info=True)
+        return self.clock.verdict()
+
+    def _rank_pids(self) -> dict[int, int]:
+        return rank_processes(self._pids())
+
+    def _report_stall(self) -> None:
+        """Before anything is killed: every rank's stack into its log, then the events."""
+        limits = self.clock.limits
+        if self.stop_reason == LOST_PEERS:
+            stall = stall_report.alone(
+                self.clock.alone_for() or 0.0, limits.stall_timeout_s, limits.peer_exit_timeout_s or 0.0
+            )
+        else:
+            stall = stall_report.silent(
+                self.key.job_id, self.clock.silent_for() or 0.0, limits.stall_timeout_s
+            )
+        log.warning("job %s node %s: stalled: %s", *self._ids(), stall.why)
+        stall_report.write_stacks(self.key, stall, self.rank_logs, self._rank_pids())
+        self._ingest(final=False)
+        try:
+            stall_report.send_events(self.key, stall, len(self.rank_logs), self.hooks.node_event)
+        except Exception:  # the database away: the stop goes on; the logs keep the stacks
+            log.warning("job %s node %s: could not store the stall events", *self._ids(), exc_info=True)
 
     def _storing(self, fails: bool) -> None:
         """Say when the database (or the storage) starts and stops refusing this node, once."""
@@ -265,7 +328,10 @@ class NodeSupervisor:
     def _record_checkpoints(self, final: bool) -> bool:
         """The complete files in the order they were written; on a failure that one and the
         ones after it wait for the next look."""
-        todo, self.unrecorded = self.unrecorded + self.checkpoints.poll(final=final), []
+        fresh = self.checkpoints.poll(final=final)
+        if fresh:
+            self.clock.heard()
+        todo, self.unrecorded = self.unrecorded + fresh, []
         for i, found in enumerate(todo):
             meta = self.ckpt_meta.get(found.path.name) or {"epoch": epoch_from_name(found.path.name)}
             try:
@@ -296,6 +362,8 @@ class NodeSupervisor:
             else:
                 batch.events.append(event)
         self.backlog = backlog or self.events.backlog
+        if batch:
+            self.clock.heard()
         return batch
 
     def _ids(self) -> tuple[int, int]:
@@ -310,6 +378,26 @@ class NodeSupervisor:
             )
         if self.stop_reason == "shutdown":
             return NodeOutcome(state=NodeState.LOST, exit_code=rc, error="worker shut down", retryable=True)
+        if self.stop_reason == TIME_LIMIT:
+            limit = self.clock.limits.max_duration_s
+            error = f"time limit: the job ran its max_duration_s of {limit} s; rank 0 was asked to checkpoint"
+            return NodeOutcome(state=NodeState.FAILED, exit_code=rc, error=error)
+        if self.stop_reason == LOST_PEERS:
+            error = (
+                f"stalled: node {self.key.node_rank} still ran {self.clock.limits.peer_exit_timeout_s:g} s "
+                "after every other node of the attempt had ended (TORCHJOBS_PEER_EXIT_TIMEOUT_S); "
+                "every rank's Python stack is in its log"
+            )
+            return NodeOutcome(state=NodeState.FAILED, exit_code=rc, error=error, retryable=True)
+        if self.stop_reason == STALL:
+            timeout = self.clock.limits.stall_timeout_s
+            error = (
+                f"stalled: no rank reported anything for {timeout:g} s (stall_timeout_s) on node "
+                f"{self.key.node_rank}"
+                + (f" ({self.host})" if self.host else "")
+                + "; every rank's Python stack is in its log"
+            )
+            return NodeOutcome(state=NodeState.FAILED, exit_code=rc, error=error, retryable=True)
         if rc == 0:
             return NodeOutcome(state=NodeState.SUCCEEDED, exit_code=0)
         return self._failure(rc)

@@ -38,7 +38,9 @@ class PreflightError(TorchJobsRuntimeError):
 
 
 def run_preflight(env: RuntimeEnv) -> float | None:
-    """Meet every other rank and check a one-element all-reduce; seconds taken, None alone."""
+    """Check this rank's GPUs, then meet every other rank and check a one-element all-reduce;
+    seconds taken, None alone."""
+    check_gpus(env)
     if env.world_size <= 1:
         return None
     started = time.monotonic()
@@ -63,6 +65,42 @@ def _stage(env: RuntimeEnv, what: str, step: Callable[[], T]) -> T:
             "reaches the master's address and every other host's address on the interface named "
             "by GLOO_SOCKET_IFNAME (or the default route)."
         ) from exc
+
+
+def check_gpus(env: RuntimeEnv) -> None:
+    """On CUDA, each GPU this rank drives (all it sees in a DataParallel process, else its
+    own) allocates, multiplies and reads back a known product before any user code runs. A
+    failing GPU then fails the pre-flight, an infrastructure failure counted against the host
+    (contract §8), instead of a job that dies or computes garbage an hour in."""
+    if env.accelerator != "cuda" or not torch.cuda.is_available():
+        return
+    devices = range(torch.cuda.device_count()) if env.local_world_size == 1 else [env.local_rank]
+    for index in devices:
+        try:
+            check_product(_product_on(index), index)
+        except (RuntimeError, OSError) as exc:  # CUDA errors are RuntimeErrors
+            raise PreflightError(
+                f"{_where(env)}: pre-flight could not use GPU {index} (cuda:{index} of this rank's "
+                f"CUDA_VISIBLE_DEVICES): {_first_line(exc)}"
+            ) from exc
+
+
+def known_factor() -> torch.Tensor:
+    return torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64) / 4096
+
+
+def _product_on(index: int) -> torch.Tensor:
+    device = torch.device("cuda", index)
+    a = known_factor().to(device)
+    product = (a @ a).cpu()  # .cpu() waits for the kernel: its errors surface here
+    torch.cuda.synchronize(device)
+    return product
+
+
+def check_product(product: torch.Tensor, index: int) -> None:
+    a = known_factor()
+    if not torch.allclose(product, a @ a, rtol=1e-3, atol=1e-3):
+        raise RuntimeError(f"GPU {index} computed a wrong matrix product")
 
 
 def _store(env: RuntimeEnv, timeout: timedelta) -> dist.Store:

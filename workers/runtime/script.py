@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from workers.runtime.env import runtime_env
 from workers.runtime.preflight import run_preflight
+from workers.runtime.stacks import allow_stack_dumps
 from workers.runtime.workdir import enter_workdir, import_first
 
 
@@ -30,6 +31,7 @@ def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit("usage: python -m workers.runtime.script PATH [ARGS...]")
     path = Path(argv[0])
+    allow_stack_dumps()  # a silent job's stack, when py-spy cannot attach (contract §8)
     preflight()
     sys.argv = [str(path), *argv[1:]]
     sys.path[0] = str(path.resolve().parent)

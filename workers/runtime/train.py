@@ -27,6 +27,7 @@ from workers.runtime.exiting import run_then_exit
 from workers.runtime.plan import RunPlan, make_plan
 from workers.runtime.preemption import ParentWatchdog, PreemptionFlag
 from workers.runtime.preflight import run_preflight
+from workers.runtime.stacks import allow_stack_dumps
 from workers.runtime.trainer import Resume, Trainer, log
 from workers.runtime.workdir import enter_workdir, import_first
 
@@ -41,6 +42,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """0 when training completed, PREEMPTED_EXIT_CODE after a SIGTERM; raises on errors."""
     args = _parse_args(argv)
+    allow_stack_dumps()  # a silent job's stack, when py-spy cannot attach (contract §8)
     flag = PreemptionFlag().install()
     env = runtime_env()
     if env.under_torchrun:

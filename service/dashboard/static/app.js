@@ -293,6 +293,23 @@
     showView("home");
     poll(refreshJobs, 3000, signal);
     poll(refreshWorkers, 5000, signal);
+    poll(refreshUsage, 10000, signal);
+  }
+
+  async function refreshUsage() {
+    const { items } = await getJson("/v1/usage", { signal: current.controller.signal });
+    $("usage-body").replaceChildren(
+      ...items.map((u) =>
+        el(
+          "tr",
+          { "data-user": u.user },
+          el("td", { text: u.user }),
+          el("td", { text: (u.gpu_seconds / 3600).toFixed(2), title: `${Math.round(u.gpu_seconds)} GPU-seconds` }),
+          el("td", { text: String(u.jobs) }),
+          el("td", { text: String(u.attempts) }),
+        ),
+      ),
+    );
   }
 
   async function refreshJobs() {
@@ -337,7 +354,8 @@
           { "data-worker": w.name },
           el("td", { title: `${w.address} · ${w.accelerator} · heartbeat ${fmtAgo(w.last_heartbeat)}` }, w.name,
             el("div", { class: "small muted", text: w.accelerator })),
-          el("td", {}, el("span", { class: `badge ${w.state}`, text: w.state })),
+          el("td", {}, el("span", { class: `badge ${w.state}`, text: w.state, title: w.reason || "" }),
+            w.reason ? el("div", { class: "small muted quarantine-reason", text: w.reason }) : ""),
           el("td", {}, slots, el("span", { class: "gpus-free", text: `${w.gpus_free} / ${w.gpus}` })),
           el("td", {}, ...w.jobs.flatMap((id, i) => [i ? ", " : "", el("a", { href: `#/jobs/${id}`, text: `#${id}` })])),
         );

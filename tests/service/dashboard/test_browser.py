@@ -167,6 +167,9 @@ def _submit_watch_chart_logs_and_download(stack: Stack, page: Any, tmp_path: Pat
     # The worker and its free slots.
     worker = page.wait_for_selector("tr[data-worker='local'] .gpus-free")
     assert worker.inner_text() == "2 / 2"
+    # The usage table (contract §9): every user, the admin among them, nothing used yet.
+    usage = page.wait_for_selector("#usage-body tr[data-user='admin'] td:nth-child(2)")
+    assert usage.inner_text() == "0.00"
 
     # Submit from the form; the page goes to the new job.
     page.fill("#f-name", "digits-browser")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.scheduler.placement import Host, QueuedJob, plan, queue_order
+from service.scheduler.placement import Host, Owner, QueuedJob, plan, queue_order
 
 
 def test_gang_is_placed_whole_on_distinct_hosts() -> None:
@@ -107,3 +107,78 @@ def test_an_unsandboxed_host_takes_only_the_admins_jobs() -> None:
     )
     small = QueuedJob(id=3, priority=0, nodes=1, gpus_per_node=1, by_admin=False)
     assert plan([small], hosts, starvation_s=300).placements[3][0].host == "walled"
+
+
+def test_a_quarantined_host_takes_nothing_and_the_reason_names_it() -> None:
+    hosts = [Host(name="sick", free=(0, 1), quarantined=True), Host(name="well", free=(0,))]
+    big = QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=2)
+    small = QueuedJob(id=2, priority=0, nodes=1, gpus_per_node=1)
+    result = plan([big, small], hosts, starvation_s=300)
+    assert 1 not in result.placements and result.placements[2][0].host == "well"
+    assert result.pending_reasons[1] == (
+        "needs 1 node with 2 free GPUs; 0 have them; quarantined, and would fit: sick "
+        "(an admin's POST /v1/workers/NAME/readmit)"
+    )
+    too_big = QueuedJob(id=3, priority=0, nodes=1, gpus_per_node=4)
+    assert "quarantined" not in plan([too_big], hosts, starvation_s=300).pending_reasons[3]
+
+
+def test_fair_share_gives_the_next_gpus_to_whoever_holds_fewest() -> None:
+    """dana holds 4 and has older jobs queued; eve holds none: eve's two go first (contract §9)."""
+    hosts = [Host(name="a", free=(0, 1))]
+    dana = [QueuedJob(id=i, priority=0, nodes=1, gpus_per_node=1, owner=1) for i in (1, 2, 3, 4)]
+    eve = [QueuedJob(id=i, priority=0, nodes=1, gpus_per_node=1, owner=2) for i in (10, 11)]
+    owners = {1: Owner(name="dana", in_use=4), 2: Owner(name="eve", in_use=0)}
+    result = plan(dana + eve, hosts, starvation_s=300, owners=owners)
+    assert set(result.placements) == {10, 11}
+    assert owners[2].in_use == 0, "the inputs are not changed"
+
+
+def test_within_a_pass_the_owners_take_turns() -> None:
+    hosts = [Host(name="a", free=(0, 1, 2, 3))]
+    jobs = [QueuedJob(id=i, priority=0, nodes=1, gpus_per_node=1, owner=1) for i in (1, 2, 3)]
+    jobs += [QueuedJob(id=i, priority=0, nodes=1, gpus_per_node=1, owner=2) for i in (7, 8, 9)]
+    result = plan(jobs, hosts, starvation_s=300, owners={1: Owner(), 2: Owner()})
+    assert set(result.placements) == {1, 2, 7, 8}
+
+
+def test_ties_go_to_the_owner_with_fewer_recent_gpu_seconds_then_to_age() -> None:
+    hosts = [Host(name="a", free=(0,))]
+    jobs = [
+        QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=1, owner=1),
+        QueuedJob(id=2, priority=0, nodes=1, gpus_per_node=1, owner=2),
+    ]
+    heavy = {1: Owner(recent_gpu_s=5000.0), 2: Owner(recent_gpu_s=10.0)}
+    assert set(plan(jobs, hosts, 300, heavy).placements) == {2}
+    even = {1: Owner(recent_gpu_s=10.0), 2: Owner(recent_gpu_s=10.0)}
+    assert set(plan(jobs, hosts, 300, even).placements) == {1}
+
+
+def test_priority_still_comes_before_fair_share() -> None:
+    hosts = [Host(name="a", free=(0,))]
+    jobs = [
+        QueuedJob(id=1, priority=5, nodes=1, gpus_per_node=1, owner=1),
+        QueuedJob(id=2, priority=0, nodes=1, gpus_per_node=1, owner=2),
+    ]
+    assert set(plan(jobs, hosts, 300, {1: Owner(in_use=8), 2: Owner()}).placements) == {1}
+
+
+def test_a_job_over_its_owners_quota_waits_and_blocks_nobody() -> None:
+    """Even once it has waited past the starvation guard: a quota, not the cluster, holds it."""
+    hosts = [Host(name="a", free=(0, 1, 2, 3))]
+    alice = [QueuedJob(id=i, priority=0, nodes=1, gpus_per_node=1, owner=1, waited_s=9999) for i in (1, 2, 3)]
+    bob = [QueuedJob(id=9, priority=0, nodes=1, gpus_per_node=1, owner=2)]
+    owners = {1: Owner(name="alice", in_use=1, quota=2), 2: Owner(name="bob")}
+    result = plan(alice + bob, hosts, starvation_s=300, owners=owners)
+    assert set(result.placements) == {1, 9}
+    assert result.pending_reasons[2] == (
+        "waits for its owner's gpu_quota: alice holds 2 of 2 GPUs and this job needs 1"
+    )
+    assert 3 in result.pending_reasons and 9 not in result.pending_reasons
+
+
+def test_a_quota_counts_every_gpu_of_a_multi_node_job() -> None:
+    hosts = [Host(name="a", free=(0, 1)), Host(name="b", free=(0, 1))]
+    job = QueuedJob(id=1, priority=0, nodes=2, gpus_per_node=2, owner=1)
+    assert plan([job], hosts, 300, {1: Owner(quota=3)}).placements == {}
+    assert set(plan([job], hosts, 300, {1: Owner(quota=4)}).placements) == {1}

@@ -71,3 +71,23 @@ def test_a_rank_that_cannot_open_its_sockets_fails_naming_itself(jobs: Any, tmp_
     assert "PreflightError" in out and "pre-flight could not connect to every other rank" in out, out[-3000:]
     assert "rank 0 of 2 (node 0, host" in out or "rank 1 of 2 (node 0, host" in out
     assert _probes(tmp_path) == []  # the script itself never ran
+
+
+def test_the_gpu_check_is_skipped_without_cuda_and_knows_a_wrong_product() -> None:
+    """The CUDA half (an allocation, a matmul, a read-back on each of the rank's GPUs) needs a
+    GPU and is in tests/gpu/; here: it does nothing on CPU, and its comparison catches a GPU
+    that computes garbage."""
+    import pytest
+    import torch
+
+    from workers.runtime.env import RuntimeEnv
+    from workers.runtime.preflight import check_gpus, check_product, known_factor
+
+    check_gpus(RuntimeEnv(accelerator="cpu", world_size=1))
+    right = known_factor() @ known_factor()
+    check_product(right, 0)
+    wrong = right.clone()
+    wrong[3, 7] += 1.0
+    with pytest.raises(RuntimeError, match="GPU 2 computed a wrong matrix product"):
+        check_product(wrong, 2)
+    assert torch.isfinite(right).all()

@@ -1,0 +1,98 @@
+"""GPU-seconds (contract §9): every attempt from its start to its end, times its GPUs, failed
+and cancelled ones too. An ended attempt has its figure stored (`JobAttempt.gpu_seconds`,
+written as it closes); a running one counts up to the moment it is read."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.models import Job, JobAttempt, utcnow
+
+
+@dataclass(frozen=True, kw_only=True)
+class Held:
+    """One attempt's hold on GPUs: from `start` to `end` (None: still running)."""
+
+    job_id: int
+    owner_id: int
+    gpus: int
+    start: datetime
+    end: datetime | None
+
+
+def gpu_seconds(held: Held, since: datetime | None = None, until: datetime | None = None) -> float:
+    """Its GPU-seconds inside [since, until] (either open), a running one up to now."""
+    end = held.end or utcnow()
+    lo = max(held.start, since) if since else held.start
+    hi = min(end, until) if until else end
+    return max(0.0, (hi - lo).total_seconds()) * held.gpus
+
+
+def attempt_gpu_seconds(attempt: JobAttempt, now: datetime | None = None) -> float:
+    """An attempt's figure: stored once it ended, counted up to `now` while it runs."""
+    if attempt.started_at is None:
+        return 0.0
+    if attempt.finished_at is not None:
+        return attempt.gpu_seconds
+    return max(0.0, ((now or utcnow()) - attempt.started_at).total_seconds()) * attempt.gpus
+
+
+def holds(
+    session: Session,
+    owner_ids: Iterable[int] | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> Sequence[Held]:
+    """Every attempt that held GPUs at some moment of [since, until], of these owners (all: None)."""
+    query = (
+        select(
+            JobAttempt.job_id, Job.owner_id, JobAttempt.gpus, JobAttempt.started_at, JobAttempt.finished_at
+        )
+        .join(Job, Job.id == JobAttempt.job_id)
+        .where(JobAttempt.started_at.is_not(None), JobAttempt.gpus > 0)
+    )
+    if owner_ids is not None:
+        query = query.where(Job.owner_id.in_(list(owner_ids)))
+    if until is not None:
+        query = query.where(JobAttempt.started_at < until)
+    if since is not None:
+        query = query.where((JobAttempt.finished_at.is_(None)) | (JobAttempt.finished_at > since))
+    return [
+        Held(job_id=r.job_id, owner_id=r.owner_id, gpus=r.gpus, start=r.started_at, end=r.finished_at)
+        for r in session.execute(query)
+    ]
+
+
+def recent_by_owner(session: Session, owner_ids: Iterable[int], since: datetime) -> dict[int, float]:
+    """Each owner's GPU-seconds since `since`: what breaks a fair-share tie."""
+    totals: dict[int, float] = {}
+    for held in holds(session, owner_ids, since=since):
+        totals[held.owner_id] = totals.get(held.owner_id, 0.0) + gpu_seconds(held, since=since)
+    return totals
+
+
+def totals_by_owner(session: Session, now: datetime | None = None) -> dict[int, float]:
+    """Every owner's GPU-seconds of all time: ended attempts summed in the database, running
+    ones counted up to `now` (a Prometheus counter: it only grows)."""
+    ended = session.execute(
+        select(Job.owner_id, func.sum(JobAttempt.gpu_seconds))
+        .join(Job, Job.id == JobAttempt.job_id)
+        .where(JobAttempt.finished_at.is_not(None))
+        .group_by(Job.owner_id)
+    ).all()
+    totals = {owner: float(seconds or 0.0) for owner, seconds in ended}
+    running = session.execute(
+        select(Job.owner_id, JobAttempt.gpus, JobAttempt.started_at)
+        .join(Job, Job.id == JobAttempt.job_id)
+        .where(JobAttempt.finished_at.is_(None), JobAttempt.started_at.is_not(None))
+    ).all()
+    at = now or utcnow()
+    for owner, gpus, started in running:
+        if started is not None:  # (the query asks for none)
+            totals[owner] = totals.get(owner, 0.0) + max(0.0, (at - started).total_seconds()) * gpus
+    return totals

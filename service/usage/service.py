@@ -1,0 +1,55 @@
+"""`GET /v1/usage` (contract §9): GPU-seconds per user over a time range."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.errors import Forbidden, InvalidQuery, NotFound
+from service.models import User
+from service.usage.accounting import gpu_seconds, holds
+from service.usage.schemas import UsageList, UsageOut
+
+
+def usage(
+    session: Session, caller: User, user: str | None, since: datetime | None, until: datetime | None
+) -> UsageList:
+    """A user sees their own figure; the admin everyone's, or one user's. Each attempt counts
+    the part of it inside [since, until]."""
+    since, until = _utc(since), _utc(until)
+    if since is not None and until is not None and until <= since:
+        raise InvalidQuery("until", "until must be after since")
+    users = _subjects(session, caller, user)
+    totals = {u.id: UsageOut(user=u.name, gpu_seconds=0.0, jobs=0, attempts=0) for u in users}
+    jobs: dict[int, set[int]] = {u.id: set() for u in users}
+    for held in holds(session, list(totals), since=since, until=until):
+        seconds = gpu_seconds(held, since, until)
+        row = totals[held.owner_id]
+        row.gpu_seconds += seconds
+        row.attempts += 1
+        jobs[held.owner_id].add(held.job_id)
+    for owner_id, row in totals.items():
+        row.jobs, row.gpu_seconds = len(jobs[owner_id]), round(row.gpu_seconds, 3)
+    items = sorted(totals.values(), key=lambda r: (-r.gpu_seconds, r.user))
+    return UsageList(items=items, since=since, until=until)
+
+
+def _subjects(session: Session, caller: User, name: str | None) -> list[User]:
+    if not caller.is_admin:
+        if name is not None and name != caller.name:
+            raise Forbidden("a user sees their own usage only")
+        return [caller]
+    query = select(User).order_by(User.id)
+    if name is not None:
+        query = query.where(User.name == name)
+    found = list(session.execute(query).scalars())
+    if name is not None and not found:
+        raise NotFound(f"user {name!r}")
+    return found
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    """A time given without a zone is UTC (the API's times are)."""
+    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
