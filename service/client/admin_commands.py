@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from service.client.api import Client
-from service.client.commands import OutputOpt, TokenOpt, UrlOpt, api, emit
+from service.client.commands import OutputOpt, TokenOpt, UrlOpt, api, emit, emit_list
 
 
 def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small commands
@@ -37,17 +37,9 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         """Every user, with the GPUs their jobs hold now, their quota and max priority."""
         with api(url, token) as client:
             items = client.users()
-        if output == "json":
-            emit({"items": items}, output)
-            return
-        table = Table("id", "name", "admin", "gpus in use", "gpu quota", "max priority")
-        for u in items:
-            quota = "none" if u["gpu_quota"] is None else str(u["gpu_quota"])
-            admin = "yes" if u["is_admin"] else ""
-            table.add_row(
-                str(u["id"]), u["name"], admin, str(u["gpus_in_use"]), quota, str(u["max_priority"])
-            )
-        Console().print(table)
+        emit_list(
+            items, output, ("id", "name", "admin", "gpus in use", "gpu quota", "max priority"), _user_row
+        )
 
     @users_app.command("set-quota")
     def users_set_quota(
@@ -114,14 +106,9 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
             return
         with api(url, token) as client:
             items = client.workers()
-        if output == "json":
-            emit({"items": items}, output)
-            return
-        table = Table("name", "state", "gpus free", "address", "isolation", "reason")
-        for w in items:
-            free = f"{w['gpus_free']}/{w['gpus']}"
-            table.add_row(w["name"], w["state"], free, w["address"], w["isolation"], w.get("reason") or "")
-        Console().print(table)
+        emit_list(
+            items, output, ("name", "state", "gpus free", "address", "isolation", "reason"), _worker_row
+        )
 
     @workers_app.command("readmit")
     def workers_readmit(
@@ -146,3 +133,20 @@ def _user_id(client: Client, name: str) -> int:
             return int(user["id"])
     typer.echo(f"error: no user named {name!r}", err=True)
     raise typer.Exit(1)
+
+
+def _user_row(u: dict[str, Any]) -> list[str]:
+    quota = "none" if u["gpu_quota"] is None else str(u["gpu_quota"])
+    return [
+        str(u["id"]),
+        u["name"],
+        "yes" if u["is_admin"] else "",
+        str(u["gpus_in_use"]),
+        quota,
+        str(u["max_priority"]),
+    ]
+
+
+def _worker_row(w: dict[str, Any]) -> list[str]:
+    free = f"{w['gpus_free']}/{w['gpus']}"
+    return [w["name"], w["state"], free, w["address"], w["isolation"], w.get("reason") or ""]

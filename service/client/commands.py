@@ -10,7 +10,7 @@ import contextlib
 import json
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +70,22 @@ def _push(client: Client, folder: Path, name: str | None = None) -> dict[str, An
 
 def emit(data: Any, output: str) -> None:
     typer.echo(json.dumps(data, indent=2, default=str))
+
+
+def emit_list(
+    items: list[dict[str, Any]],
+    output: str,
+    columns: tuple[str, ...],
+    row: Callable[[dict[str, Any]], list[str]],
+) -> None:
+    """A list command's answer: `{"items": [...]}` as JSON, or a table of one row per item."""
+    if output == "json":
+        emit({"items": items}, output)
+        return
+    table = Table(*columns)
+    for item in items:
+        table.add_row(*row(item))
+    Console().print(table)
 
 
 @contextlib.contextmanager
@@ -146,6 +162,14 @@ def build_spec(file: Path | None, sets: list[str], flags: dict[str, Any]) -> dic
     return spec
 
 
+def parse_dependency(text: str) -> dict[str, Any]:
+    """`12` waits for job 12 to succeed; `12:ended` for it to end in any way."""
+    job, _, condition = text.partition(":")
+    if not job.strip().isdigit() or condition not in ("", "succeeded", "ended"):
+        raise typer.BadParameter(f"--depends-on takes JOB_ID or JOB_ID:ended, got {text!r}")
+    return {"job_id": int(job), "condition": condition or "succeeded"}
+
+
 def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small commands
     @app.command()
     def submit(
@@ -163,6 +187,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         workdir: Annotated[
             Path | None,
             typer.Option(help="pack this folder as the job's code (uploaded unless the server has it)"),
+        ] = None,
+        depends_on: Annotated[
+            list[str] | None,
+            typer.Option("--depends-on", help="JOB_ID (it must succeed) or JOB_ID:ended; repeatable"),
         ] = None,
         url: UrlOpt = None,
         token: TokenOpt = None,
@@ -185,6 +213,8 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
                 }
             )
         spec = build_spec(file, set_ or [], flags)
+        if depends_on:
+            spec["depends_on"] = [*spec.get("depends_on", []), *map(parse_dependency, depends_on)]
         with api(url, token) as client:
             if workdir is not None:
                 spec["code"] = _push(client, workdir)["id"]

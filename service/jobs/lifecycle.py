@@ -29,11 +29,12 @@ from service.jobs.states import (
     RUNNING,
     SCHEDULED,
     SUCCEEDED,
+    append_event,
     lock_job,
     transition_job,
     transition_node,
 )
-from service.models import Checkpoint, Job, JobAttempt, NodeRun, utcnow
+from service.models import Checkpoint, Job, JobAttempt, NodeRun, Worker, utcnow
 from service.states import NODE_ACTIVE, NodeState
 
 log = logging.getLogger("torchjobs.worker")
@@ -252,7 +253,16 @@ def record_end(db: Database, key: NodeKey, outcome: NodeOutcome, worker: str | N
     if worker is not None:
         with db.transaction() as session:
             detail = outcome.error or outcome.state
-            record_node_end(session, worker, host_verdict(outcome), detail, db.settings.quarantine_after)
+            if record_node_end(session, worker, host_verdict(outcome), detail, db.settings.quarantine_after):
+                tell_quarantined(session, key.job_id, worker)
+
+
+def tell_quarantined(session: Session, job_id: int, worker: str) -> None:
+    """The job whose failure put its host in quarantine says so (contract §8): a `quarantine`
+    event naming the host and why; its next attempt goes elsewhere."""
+    row = session.get(Worker, worker)
+    if row is not None and row.quarantine_reason is not None:
+        append_event(session, job_id, "quarantine", {"worker": worker, "reason": row.quarantine_reason})
 
 
 def host_verdict(outcome: NodeOutcome) -> HostVerdict:

@@ -18,6 +18,7 @@ from service.api.deps import (
 from service.checkpoints.resume_check import check_resumable
 from service.jobs import service
 from service.jobs.cached_reads import job_view_json
+from service.jobs.dependencies import resumes_from_dependency
 from service.jobs.schemas import EventList, JobList, JobOut, MetricsOut
 from service.jobs.spec import JobSpec
 from service.jobs.validation import resume_target
@@ -39,7 +40,7 @@ def resume_checked_spec(
     """The spec, with the file it resumes from checked before the request's transaction begins:
     that check may load the file for seconds, and on SQLite that transaction holds the write
     lock. The handler resolves the checkpoint again under its lock; the verdict is remembered."""
-    if spec.resume_from is not None:
+    if spec.resume_from is not None and not resumes_from_dependency(spec):
         with db.read() as session:
             target = resume_target(session, spec, current_user(session, creds), lock=False)
         if target is not None:

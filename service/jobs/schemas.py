@@ -75,6 +75,7 @@ class JobOut(BaseModel):
     queue_position: int | None
     attempts: list[AttemptOut]
     gpu_seconds: float = 0.0  # every attempt's, failed and cancelled ones too (contract §9)
+    depends_on: list[dict[str, Any]] = []  # [{"job_id", "condition"}] (contract §10)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.errors import InvalidSpec, NotFound
 from service.jobs import repository as repo
+from service.jobs.dependencies import add_dependencies, fail_dependants
 from service.jobs.schemas import (
     PROGRESS_FIELDS,
     Assignment,
@@ -74,6 +75,7 @@ def submit_job(
         labels=spec.labels,
         code=spec.code,
         environment=spec.environment.model_dump() if spec.environment else None,
+        depends_on=[d.model_dump() for d in spec.depends_on] or None,
         max_retries=spec.max_retries,
         max_duration_s=spec.max_duration_s,
         stall_timeout_s=spec.stall_timeout_s,
@@ -95,6 +97,9 @@ def submit_job(
             if existing is None:
                 raise
             return existing, False
+    if spec.depends_on:
+        session.flush()
+        add_dependencies(session, job, spec)
     return job, True
 
 
@@ -148,6 +153,7 @@ def cancel_job(session: Session, user: User, job_id: int) -> Job:
     transition_job(session, job, CANCELLING, "cancelled by user")
     if was_queued:
         transition_job(session, job, CANCELLED, "cancelled by user")
+    fail_dependants(session, job.id, "was cancelled")  # contract §10: in the cancel's transaction
     return job
 
 
@@ -230,6 +236,7 @@ def job_views(session: Session, jobs: Sequence[Job], viewer: User | None = None)
             pending_reason=j.pending_reason if j.state == QUEUED else None,
             queue_position=positions.get(j.id),
             attempts=attempts.get(j.id, []),
+            depends_on=list(j.depends_on or []),
             gpu_seconds=round(sum(a.gpu_seconds for a in attempts.get(j.id, [])), 3),
             created_at=j.created_at,
             started_at=j.started_at,

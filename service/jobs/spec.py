@@ -124,6 +124,14 @@ class ResumeFrom(Input):
         return self
 
 
+class Dependency(Input):
+    """Wait for another job of yours (contract §10): until it `succeeded`, or until it `ended`
+    in any way."""
+
+    job_id: int = Field(ge=1, le=MAX_ID)
+    condition: Literal["succeeded", "ended"] = "succeeded"
+
+
 def _requirement(item: str) -> str:
     """One PEP 508 requirement specifier: no options, URLs, paths or editables (contract §6)."""
     if item.lstrip().startswith("-"):
@@ -170,6 +178,7 @@ class JobSpec(Input):
     labels: dict[str, Annotated[str, Field(max_length=256)]] = Field(default_factory=dict, max_length=32)
     code: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="an uploaded Code id")
     environment: Environment | None = None
+    depends_on: list[Dependency] = Field(default_factory=list, max_length=32)
 
     @field_validator("nodes")
     @classmethod
@@ -196,6 +205,14 @@ class JobSpec(Input):
                 raise ValueError(f"{key!r} is set by torchjobs or the loader and may not be overridden")
             if "\x00" in value:
                 raise ValueError(f"value of {key!r} may not contain NUL")
+        return v
+
+    @field_validator("depends_on")
+    @classmethod
+    def _each_job_once(cls, v: list[Dependency]) -> list[Dependency]:
+        ids = [d.job_id for d in v]
+        if len(ids) != len(set(ids)):
+            raise ValueError("each job may appear once in depends_on")
         return v
 
     @field_validator("labels")

@@ -11,6 +11,7 @@ from service.checkpoints.resume_check import ResumeFile, check_resumable, resume
 from service.code.service import usable_code
 from service.config import Settings
 from service.errors import InvalidSpec
+from service.jobs.dependencies import check_dependencies, resumes_from_dependency
 from service.jobs.spec import JobSpec, ScriptEntrypoint
 from service.models import Checkpoint, Job, User, Worker
 from service.storage import Storage
@@ -121,7 +122,10 @@ def resume_target(
 def resolve_resume(
     session: Session, settings: Settings, storage: Storage, spec: JobSpec, user: User
 ) -> int | None:
-    """The checkpoint id a job resumes from, once it is known to load with weights_only."""
+    """The checkpoint id a job resumes from, once it is known to load with weights_only; None
+    too for a dependency's checkpoint, taken at placement (`service.jobs.dependencies`)."""
+    if resumes_from_dependency(spec):
+        return None
     target = resume_target(session, spec, user, lock=True)
     if target is None:
         return None
@@ -138,5 +142,6 @@ def validate_in_context(
         resolve_script(spec.entrypoint.path, settings.script_root_paths)
     check_fits_cluster(session, spec)
     check_owner_limits(spec, user)
+    check_dependencies(session, spec, user)
     check_amp(session, spec)
     return resolve_resume(session, settings, storage, spec, user)

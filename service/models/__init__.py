@@ -3,7 +3,7 @@
 from service.models.base import Base, UTCDateTime, utcnow
 from service.models.checkpoints import Checkpoint
 from service.models.code import CodeArchive
-from service.models.jobs import GpuAllocation, Job, JobAttempt, JobEvent, LogChunk, NodeRun
+from service.models.jobs import GpuAllocation, Job, JobAttempt, JobDependency, JobEvent, LogChunk, NodeRun
 from service.models.users import User
 from service.models.workers import Worker
 
@@ -14,6 +14,7 @@ __all__ = [
     "GpuAllocation",
     "Job",
     "JobAttempt",
+    "JobDependency",
     "JobEvent",
     "LogChunk",
     "NodeRun",

@@ -43,6 +43,8 @@ class Job(Base):
     env: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     code: Mapped[str | None] = mapped_column(String(64))  # an uploaded CodeArchive's sha256
     environment: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # {"pip": [...]}
+    # contract §10, as submitted, for the job's view; `job_dependencies` serves the scheduler
+    depends_on: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     max_retries: Mapped[int] = mapped_column(Integer, default=0)
     max_duration_s: Mapped[int | None] = mapped_column(Integer)  # summed over attempts (contract §8)
@@ -139,3 +141,16 @@ class LogChunk(Base):
     local_rank: Mapped[int] = mapped_column(Integer)
     offset: Mapped[int] = mapped_column(BigInteger)
     data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class JobDependency(Base):
+    """`depends_on` (contract §10): the job waits in the queue until the other job's state
+    meets the condition, and fails once it never can."""
+
+    __tablename__ = "job_dependencies"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    depends_on_id: Mapped[int] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    condition: Mapped[str] = mapped_column(String(16))  # "succeeded" | "ended"

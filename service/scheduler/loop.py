@@ -27,7 +27,8 @@ from service.db import Database
 from service.hosts import repository as hosts_repo
 from service.hosts.health import HostVerdict, record_node_end
 from service.hosts.states import take_offline
-from service.jobs.lifecycle import cancel_pending_nodes, lose_node, open_attempt, runs_of
+from service.jobs.dependencies import Readiness, fail_doomed, readiness, take_dependency_checkpoint
+from service.jobs.lifecycle import cancel_pending_nodes, lose_node, open_attempt, runs_of, tell_quarantined
 from service.jobs.states import ACTIVE, CANCELLING, QUEUED, SCHEDULED, lock_job, transition_job
 from service.models import GpuAllocation, Job, NodeRun, User, Worker, utcnow
 from service.scheduler.outages import DatabaseOutages
@@ -142,10 +143,10 @@ def reap(session: Session, settings: Settings, judge_silence: bool = True) -> No
         )
         if gone or late:
             reason = "worker lost" if gone else f"node {run.node_rank} did not start in time"
-            if lose_node(session, run, reason):
-                record_node_end(
-                    session, run.worker_name, HostVerdict.FAILED_HERE, reason, settings.quarantine_after
-                )
+            if lose_node(session, run, reason) and record_node_end(
+                session, run.worker_name, HostVerdict.FAILED_HERE, reason, settings.quarantine_after
+            ):
+                tell_quarantined(session, run.job_id, run.worker_name)
     for job in session.execute(select(Job).where(Job.state == CANCELLING)).scalars().all():
         if all(r.state != NodeState.RUNNING for r in runs_of(session, job.id, job.attempt)):
             cancel_pending_nodes(session, job)
@@ -160,6 +161,7 @@ class PlacementInputs:
     hosts: list[Host]
     workers: dict[str, Worker]
     owners: dict[int, Owner] = field(default_factory=dict)
+    readiness: Readiness = field(default_factory=Readiness)  # jobs waiting on jobs, or doomed by them
 
 
 def placement_inputs(session: Session) -> PlacementInputs:
@@ -198,6 +200,8 @@ def placement_inputs(session: Session) -> PlacementInputs:
         for n, w in workers.items()
     ]
     now = utcnow()
+    ready = readiness(session, [r.id for r in rows])
+    held_back = ready.waiting.keys() | ready.doomed.keys()
     queued = [
         QueuedJob(
             id=r.id,
@@ -209,8 +213,10 @@ def placement_inputs(session: Session) -> PlacementInputs:
             owner=r.owner_id,
         )
         for r in rows
+        if r.id not in held_back
     ]
-    return PlacementInputs(rows, queued, hosts, workers, owners_of(session, {r.owner_id for r in rows}, now))
+    owners = owners_of(session, {r.owner_id for r in rows}, now)
+    return PlacementInputs(rows, queued, hosts, workers, owners, ready)
 
 
 def owners_of(session: Session, owner_ids: set[int], now: datetime) -> dict[int, Owner]:
@@ -243,11 +249,16 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
     rows, queued, hosts, workers = inputs.rows, inputs.queued, inputs.hosts, inputs.workers
     decision = plan(queued, hosts, settings.starvation_s, inputs.owners)
     _write_pending_reasons(session, rows, decision.pending_reasons, bool(workers))
+    _write_pending_reasons(session, rows, inputs.readiness.waiting, any_worker=True)
+    fail_doomed(session, inputs.readiness.doomed)
     sent: list[Dispatch] = []
     busy_ports = _ports_in_use(session)
     for job_id, nodes in decision.placements.items():
         job = lock_job(session, job_id)
         if job is None or job.state != QUEUED:
+            continue
+        if (why := take_dependency_checkpoint(session, job)) is not None:
+            fail_doomed(session, {job.id: why})
             continue
         job.master_port = _pick_port(settings, busy_ports.setdefault(nodes[0].host, set()))
         job.pending_reason = None

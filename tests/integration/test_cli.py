@@ -98,3 +98,38 @@ def test_url_and_token_may_come_before_the_command(embedded: Stack, tmp_path: Pa
     nobody = run("--url", f"http://127.0.0.1:{harness.free_port()}", "--token", "t", "ls")
     assert nobody.returncode == 2 and "could not reach http://127.0.0.1:" in nobody.stderr, nobody.stderr
     assert "Traceback" not in nobody.stderr
+
+
+def test_the_admins_user_commands_and_usage(embedded: Stack) -> None:
+    """Contract §9's CLI: add (the token once), ls, set-quota, set-priority, revoke; usage;
+    and a submit that waits on another job with --depends-on."""
+    added = cli(embedded, "users", "add", "carol", "--gpu-quota", "1")
+    assert added.returncode == 0, added.stderr
+    token = added.stdout.strip()
+    with embedded.client(token) as c:
+        assert c.get("/v1/me").json()["name"] == "carol"
+    listed = json.loads(cli(embedded, "users", "ls", "--output", "json").stdout)["items"]
+    carol = next(u for u in listed if u["name"] == "carol")
+    assert (carol["gpu_quota"], carol["max_priority"], carol["gpus_in_use"]) == (1, 0, 0)
+    assert cli(embedded, "users", "set-quota", "carol", "none").returncode == 0
+    assert cli(embedded, "users", "set-priority", "carol", "5").returncode == 0
+    listed = json.loads(cli(embedded, "users", "ls", "-o", "json").stdout)["items"]
+    carol = next(u for u in listed if u["name"] == "carol")
+    assert (carol["gpu_quota"], carol["max_priority"]) == (None, 5)
+    assert "carol" in cli(embedded, "users", "ls").stdout
+    bad = cli(embedded, "users", "set-quota", "nobody", "2")
+    assert bad.returncode != 0 and "no user named 'nobody'" in bad.stderr
+
+    first = cli(embedded, "submit", "--model", "mlp", "--epochs", "1").stdout.strip()
+    second = cli(
+        embedded, "submit", "--model", "mlp", "--epochs", "1", "--depends-on", f"{first}:ended", "-o", "json"
+    )
+    assert json.loads(second.stdout)["depends_on"] == [{"job_id": int(first), "condition": "ended"}]
+    assert cli(embedded, "watch", str(json.loads(second.stdout)["id"])).returncode == 0
+    usage = json.loads(cli(embedded, "usage", "-o", "json").stdout)["items"]
+    assert next(r for r in usage if r["user"] == "admin")["attempts"] >= 2  # (the stack is shared)
+    assert "GPU-hours" in cli(embedded, "usage").stdout
+
+    assert cli(embedded, "users", "revoke", "carol").returncode == 0
+    with embedded.client(token) as c:
+        assert c.get("/v1/me").status_code == 401

@@ -45,6 +45,8 @@ def test_three_infrastructure_failures_in_a_row_quarantine_a_host_until_readmitt
     assert sick["reason"].startswith("3 attempts in a row ended in an infrastructure failure"), sick
     assert "pre-flight could not" in sick["reason"]
     assert "quarantined" in cli(stack, "workers")
+    [told] = [e["data"] for e in stack.events(failing["id"]) if e["type"] == "quarantine"]
+    assert told["worker"] == "sick" and told["reason"] == sick["reason"]
 
     stack.start_worker("well", 2)
     done = stack.wait_job(stack.submit(DDP)["id"])

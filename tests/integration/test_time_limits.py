@@ -56,6 +56,10 @@ def test_a_hung_ddp_job_has_every_stack_in_its_logs_then_stops_and_retries(stack
     assert {(d["node_rank"], d["rank"]) for d in stalls} == {(0, 0), (0, 1)}
     assert all(d["seconds"] >= 20 for d in stalls)
     assert pids_of_job(job["id"], stack.home) == []
+    # contract §9: both attempts held 2 GPUs, and the job's GPU-seconds are their sum
+    assert [a["gpus"] for a in done["attempts"]] == [2, 2]
+    assert all(a["gpu_seconds"] >= 2 * 20 for a in done["attempts"]), done["attempts"]
+    assert done["gpu_seconds"] == pytest.approx(sum(a["gpu_seconds"] for a in done["attempts"]), abs=0.01)
 
 
 def test_stall_timeout_null_never_judges_a_silent_job(stack: Stack) -> None:
