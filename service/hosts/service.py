@@ -8,6 +8,8 @@ from service.hosts.schemas import WorkerList, WorkerOut
 from service.models import User, Worker
 from service.states import WorkerState
 
+PUBLIC_REASON = "attempts in a row ended in an infrastructure failure on this host (the admin sees which)"
+
 
 def list_workers(session: Session, caller: User | None) -> WorkerList:
     """Every worker; the job ids on them only the caller's own (all of them for the admin, and
@@ -24,14 +26,15 @@ def list_workers(session: Session, caller: User | None) -> WorkerList:
             jobs.setdefault(alloc.worker_name, set()).add(alloc.job_id)
     return WorkerList(
         items=[
-            worker_out(w, used.get(w.name, set()), sorted(jobs.get(w.name, ())))
+            worker_out(w, used.get(w.name, set()), sorted(jobs.get(w.name, ())), visible is None)
             for w in repo.all_workers(session)
         ]
     )
 
 
-def worker_out(w: Worker, used: set[int], jobs: list[int]) -> WorkerOut:
-    """A quarantined host is online but takes no new work: it shows no free GPUs (contract §8)."""
+def worker_out(w: Worker, used: set[int], jobs: list[int], full_reason: bool = True) -> WorkerOut:
+    """A quarantined host is online but takes no new work: it shows no free GPUs (contract §8).
+    Its reason quotes the failure of someone's job: whole for the admin, its count for others."""
     takes_work = w.state == WorkerState.ONLINE and w.quarantine_reason is None
     quarantined = w.state == WorkerState.ONLINE and w.quarantine_reason is not None
     return WorkerOut(
@@ -42,7 +45,7 @@ def worker_out(w: Worker, used: set[int], jobs: list[int]) -> WorkerOut:
         gpu_ids=list(w.gpu_ids or [str(i) for i in range(w.gpus)]),
         gpus_free=max(0, w.gpus - len(used)) if takes_work else 0,
         state="quarantined" if quarantined else w.state,
-        reason=w.quarantine_reason,
+        reason=w.quarantine_reason if full_reason or w.quarantine_reason is None else PUBLIC_REASON,
         infra_failures=w.infra_failures,
         last_heartbeat=w.last_heartbeat,
         started_at=w.started_at,

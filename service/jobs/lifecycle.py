@@ -83,14 +83,15 @@ def claim_node(
     return job
 
 
-def finish_node(session: Session, job_id: int, attempt: int, node_rank: int, outcome: NodeOutcome) -> None:
+def finish_node(session: Session, job_id: int, attempt: int, node_rank: int, outcome: NodeOutcome) -> bool:
+    """True when this end failed the attempt: the first failure, not a peer's echo of it."""
     job = lock_job(session, job_id)
     run = _run(session, job_id, attempt, node_rank)
     if job is None or run is None:
-        return
+        return False
     transition_node(run, outcome.state, exit_code=outcome.exit_code, error=outcome.error)
     if job.attempt != attempt:
-        return
+        return False
     if job.state == CANCELLING:
         _finish_cancel_if_quiet(session, job)
     elif job.state in (SCHEDULED, RUNNING):
@@ -98,6 +99,8 @@ def finish_node(session: Session, job_id: int, attempt: int, node_rank: int, out
             _succeed_if_all_done(session, job)
         else:
             end_attempt(session, job, outcome.exit_code, outcome.error or outcome.state, outcome.retryable)
+            return True
+    return False
 
 
 def end_attempt(session: Session, job: Job, exit_code: int | None, error: str, retryable: bool) -> None:
@@ -249,12 +252,18 @@ def record_end(db: Database, key: NodeKey, outcome: NodeOutcome, worker: str | N
     Idempotent: a node already ended keeps its first outcome. Then what the end says of the
     `worker`'s host, in a transaction of its own (`service.hosts.health` says why)."""
     with db.transaction() as session:
-        finish_node(session, key.job_id, key.attempt, key.node_rank, outcome)
-    if worker is not None:
+        ended_attempt = finish_node(session, key.job_id, key.attempt, key.node_rank, outcome)
+    if worker is None:
+        return
+    verdict = host_verdict(outcome)
+    if verdict is HostVerdict.FAILED_HERE and not ended_attempt:
+        verdict = HostVerdict.NOTHING  # another node failed first: this one felt it (a peer's reset)
+    with db.transaction() as session:
+        detail = outcome.error or outcome.state
+        quarantined = record_node_end(session, worker, verdict, detail, db.settings.quarantine_after)
+    if quarantined:  # the job's row in a third transaction: a host lock is never held before a job's
         with db.transaction() as session:
-            detail = outcome.error or outcome.state
-            if record_node_end(session, worker, host_verdict(outcome), detail, db.settings.quarantine_after):
-                tell_quarantined(session, key.job_id, worker)
+            tell_quarantined(session, key.job_id, worker)
 
 
 def tell_quarantined(session: Session, job_id: int, worker: str) -> None:

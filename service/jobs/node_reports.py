@@ -37,6 +37,9 @@ class Batch:
 
     logs: list[tuple[int, int, bytes]] = field(default_factory=list)  # (local_rank, offset, data)
     events: list[dict[str, Any]] = field(default_factory=list)
+    # read while the node stops (its stall's stacks, its last words): not a sign of life, so
+    # it leaves the job's stall clock, which the other nodes still read, where it was
+    stopping: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.logs or self.events)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import case, literal, select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from service.db import Database
@@ -20,11 +20,11 @@ from service.jobs.node_reports import Batch, JobControl, NodeKey
 from service.jobs.schemas import PROGRESS_FIELDS
 from service.jobs.states import append_attempt_events
 from service.models import Job, LogChunk, NodeRun, utcnow
-from service.models.base import UTCDateTime
 from service.states import NODE_ACTIVE
 from service.wakeups.message import mark_logs
 
 MAX_CHUNK = 256 * 1024
+REPORT_RESOLUTION = timedelta(seconds=2)  # how stale `last_report_at` may be: 2 s of a stall clock
 
 
 class Transactions(Protocol):
@@ -59,10 +59,10 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
             mark_logs(session, key.job_id)
         progress = [e for e in batch.events if e.get("type", "progress") == "progress"]
         if not progress:
-            return touch_report(session, key)
+            return _control(session, key.job_id) if batch.stopping else touch_report(session, key)
         cleaned = [_clean(event) for event in progress]
         job = append_attempt_events(
-            session, key.job_id, key.attempt, [("progress", d) for d in cleaned], touch=True
+            session, key.job_id, key.attempt, [("progress", d) for d in cleaned], touch=not batch.stopping
         )
         if job is None:  # gone, or on another attempt: its reports are not this job's now
             return _control(session, key.job_id)
@@ -76,19 +76,21 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
 
 def touch_report(session: Session, key: NodeKey) -> JobControl | None:
     """A rank of the job's current attempt said something: its stall clock starts again
-    (contract §8). One statement also reads the job back for the supervisor's look."""
+    (contract §8). The row is written at most every `REPORT_RESOLUTION_S` (each write wakes
+    the job-view feed on PostgreSQL); the job is read back for the supervisor's look."""
+    now = utcnow()
     row = session.execute(
         update(Job)
-        .where(Job.id == key.job_id)
-        .values(
-            last_report_at=case(
-                (Job.attempt == key.attempt, literal(utcnow(), UTCDateTime())), else_=Job.last_report_at
-            )
+        .where(
+            Job.id == key.job_id,
+            Job.attempt == key.attempt,
+            or_(Job.last_report_at.is_(None), Job.last_report_at < now - REPORT_RESOLUTION),
         )
+        .values(last_report_at=now)
         .returning(Job.state, Job.attempt, Job.last_report_at)
         .execution_options(synchronize_session=False)
     ).one_or_none()
-    return JobControl(row.state, row.attempt, row.last_report_at) if row else None
+    return JobControl(row.state, row.attempt, row.last_report_at) if row else _control(session, key.job_id)
 
 
 def node_event(db: Transactions, key: NodeKey, type_: str, data: dict[str, Any]) -> None:

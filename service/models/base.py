@@ -28,8 +28,9 @@ class UTCDateTime(TypeDecorator[datetime]):
     cache_ok = True
 
     def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            value = value.replace(tzinfo=UTC)
+        """Stored as UTC: SQLite keeps no offset, so 10:00+05:00 must arrive as 05:00."""
+        if value is not None:
+            value = value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
         return value
 
     def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:

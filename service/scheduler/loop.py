@@ -34,11 +34,9 @@ from service.models import GpuAllocation, Job, NodeRun, User, Worker, utcnow
 from service.scheduler.outages import DatabaseOutages
 from service.scheduler.placement import Host, Owner, QueuedJob, plan
 from service.states import NODE_ACTIVE, NodeState, WorkerState
-from service.usage.accounting import recent_by_owner
 
 log = logging.getLogger("torchjobs.scheduler")
 ADVISORY_KEY = 0x746A6F6273  # "tjobs"
-FAIR_SHARE_MEMORY = timedelta(days=1)  # how far back GPU-seconds break fair-share ties
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,7 +220,7 @@ def placement_inputs(session: Session) -> PlacementInputs:
 def owners_of(session: Session, owner_ids: set[int], now: datetime) -> dict[int, Owner]:
     """What fair share and quotas plan with (contract §9): the GPUs each owner holds now (their
     jobs' allocation rows, read in the pass's own transaction, so a quota holds even against
-    a pass that placed a moment ago), their quota, their GPU-seconds of the last day."""
+    a pass that placed a moment ago) and their quota."""
     held = dict(
         session.execute(
             select(Job.owner_id, func.count())
@@ -231,14 +229,8 @@ def owners_of(session: Session, owner_ids: set[int], now: datetime) -> dict[int,
             .group_by(Job.owner_id)
         ).all()
     )
-    recent = recent_by_owner(session, owner_ids, since=now - FAIR_SHARE_MEMORY)
     users = session.execute(select(User.id, User.name, User.gpu_quota).where(User.id.in_(owner_ids)))
-    return {
-        u.id: Owner(
-            name=u.name, in_use=int(held.get(u.id, 0)), quota=u.gpu_quota, recent_gpu_s=recent.get(u.id, 0.0)
-        )
-        for u in users
-    }
+    return {u.id: Owner(name=u.name, in_use=int(held.get(u.id, 0)), quota=u.gpu_quota) for u in users}
 
 
 def place(session: Session, settings: Settings) -> list[Dispatch]:

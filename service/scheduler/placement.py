@@ -2,7 +2,7 @@
 
 Policy: jobs go in order of priority (higher first); among equal priorities the next job is
 the oldest of the owner who holds the fewest GPUs right now, counting what this pass has
-already placed (fair share; ties by the owner's recent GPU-seconds, then by age: contract §9).
+already placed (fair share), then the oldest job (contract §9).
 A job whose owner's `gpu_quota` it would exceed waits, and is never in anyone's way. A job is
 placed only when every node fits at once, one node per distinct host, best fit first (the
 host with the fewest free GPUs that still fit) so that big holes stay open for big jobs.
@@ -45,7 +45,6 @@ class Owner:
     name: str = ""
     in_use: int = 0
     quota: int | None = None
-    recent_gpu_s: float = 0.0  # GPU-seconds lately: breaks ties between equal holders
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,9 +78,9 @@ class FairOrder:
     def owner(self, owner_id: int) -> Owner:
         return self.owners.setdefault(owner_id, Owner())
 
-    def _key(self, owner_id: int, head: QueuedJob) -> tuple[int, float, int, int]:
+    def _key(self, owner_id: int, head: QueuedJob) -> tuple[int, int, int]:
         o = self.owner(owner_id)
-        return (o.in_use, o.recent_gpu_s, head.id, owner_id)
+        return (o.in_use, head.id, owner_id)
 
     def __iter__(self) -> Iterator[QueuedJob]:
         for priority in sorted(self.levels, reverse=True):

@@ -68,14 +68,6 @@ def holds(
     ]
 
 
-def recent_by_owner(session: Session, owner_ids: Iterable[int], since: datetime) -> dict[int, float]:
-    """Each owner's GPU-seconds since `since`: what breaks a fair-share tie."""
-    totals: dict[int, float] = {}
-    for held in holds(session, owner_ids, since=since):
-        totals[held.owner_id] = totals.get(held.owner_id, 0.0) + gpu_seconds(held, since=since)
-    return totals
-
-
 def totals_by_owner(session: Session, now: datetime | None = None) -> dict[int, float]:
     """Every owner's GPU-seconds of all time: ended attempts summed in the database, running
     ones counted up to `now` (a Prometheus counter: it only grows)."""

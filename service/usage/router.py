@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Query
@@ -11,7 +11,7 @@ from service.usage import service
 from service.usage.schemas import UsageList
 
 router = APIRouter(prefix="/v1", tags=["usage"])
-ISO_TIME = r"^\d{4}-\d{2}-\d{2}([T ][0-9:.]+)?(Z|[+-]\d{2}:?\d{2})?$"
+ISO_TIME = r"^\d{4}-\d{2}-\d{2}([T ][0-9:.]+(Z|[+-]\d{2}:?\d{2})?)?$"
 Moment = Annotated[
     str | None,
     Query(max_length=40, pattern=ISO_TIME, description="ISO 8601, e.g. 2026-12-01T00:00:00Z; no zone: UTC"),
@@ -35,6 +35,7 @@ def _moment(name: str, text: str | None) -> datetime | None:
     if text is None:
         return None
     try:
-        return datetime.fromisoformat(text)
-    except ValueError:
-        raise InvalidQuery(name, f"{text!r} is not an ISO 8601 time") from None
+        moment = datetime.fromisoformat(text)
+        return moment.astimezone(UTC) if moment.tzinfo else moment.replace(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        raise InvalidQuery(name, f"{text!r} is not an ISO 8601 time (or is out of range in UTC)") from None

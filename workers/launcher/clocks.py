@@ -23,6 +23,7 @@ class NodeClock:
     def __init__(self, limits: NodeLimits, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.limits = limits
+        self.created = now
         self.deadline = None if limits.time_left_s is None else now + limits.time_left_s
         self.ranks_started: float | None = None
         self.heard_at: float | None = None  # this node's last output (monotonic)
@@ -71,8 +72,9 @@ class NodeClock:
         if self.deadline is not None and now >= self.deadline:
             return TIME_LIMIT
         alone, patience = self.alone_for(wall), self.limits.peer_exit_timeout_s
-        if alone is not None and patience is not None and alone >= patience:
-            return LOST_PEERS
+        quiet_here = now - (self.heard_at or self.ranks_started or self.created)
+        if alone is not None and patience is not None and alone >= patience and quiet_here >= patience:
+            return LOST_PEERS  # alone, and silent: a rank still writing (a final eval) runs on
         timeout = self.limits.stall_timeout_s
         silent = self.silent_for(now, wall)
         if timeout is not None and silent is not None and silent >= timeout:

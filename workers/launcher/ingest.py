@@ -81,6 +81,7 @@ class RankLogs:
         self.offset = 0
         self.backlog = False
         self.notes: list[bytes] = []  # the worker's own lines for this log (a stall's stacks)
+        self.last_byte = b""
 
     def note(self, text: str) -> None:
         """Lines of the worker's, put in the combined stream at the next look, between whole
@@ -105,8 +106,12 @@ class RankLogs:
         now = time.monotonic() if now is None else now
         start = self.offset
         self.backlog = False
-        parts = [self._take_preface(), *self.notes]
-        self.notes = []
+        parts = [self._take_preface()]
+        if self.notes:  # on a line of their own, even after a partial line the hold let out
+            before = parts[0][-1:] or self.last_byte  # the last byte the log shows so far
+            ended = before in (b"", b"\n", b"\r")
+            parts += [b"" if ended else b"\n", *self.notes]
+            self.notes = []
         for i, tail in enumerate(self.streams):
             new = tail.read_new()
             drained = len(new) < MAX_READ
@@ -124,6 +129,8 @@ class RankLogs:
                 self.held_since[i] = now
         data = b"".join(parts)
         self.offset += len(data)
+        if data:
+            self.last_byte = data[-1:]
         return start, data
 
     def _take_preface(self) -> bytes:

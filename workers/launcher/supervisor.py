@@ -347,6 +347,7 @@ class NodeSupervisor:
 
     def _collect(self, final: bool) -> Batch:
         batch, self.pending = self.pending, Batch()
+        batch.stopping = batch.stopping or self.stop_reason is not None
         if sum(len(data) for _, _, data in batch.logs) >= MAX_PENDING_BYTES:
             self.backlog = True  # unread output is waiting in the files
             return batch

@@ -706,11 +706,16 @@
     };
   }
 
+  // A download's progress and verdict, by checkpoint id: kept across the table's re-renders
+  // (a checkpoint or state event may redraw it while a download is still running).
+  const ckptStatus = new Map();
+
   function renderCheckpoints(items) {
     $("ckpt-empty").hidden = items.length > 0;
     $("ckpt-body").replaceChildren(
       ...items.map((ckpt) => {
-        const status = el("span", { class: "verified" });
+        const status = el("span", { class: "verified", "data-ckpt-status": String(ckpt.id) });
+        status.textContent = ckptStatus.get(ckpt.id) || "";
         const link = el("a", {
           class: "download",
           href: ckpt.download_url,
@@ -738,7 +743,12 @@
   async function downloadCheckpoint(ckpt, link, status) {
     if (link.dataset.busy) return;
     link.dataset.busy = "1";
-    status.textContent = "0%";
+    const show = (text) => {
+      ckptStatus.set(ckpt.id, text);
+      const live = document.querySelector(`[data-ckpt-status="${ckpt.id}"]`) || status;
+      live.textContent = text;
+    };
+    show("0%");
     try {
       const resp = await request(ckpt.download_url);
       const total = Number(resp.headers.get("Content-Length")) || ckpt.size_bytes;
@@ -750,7 +760,7 @@
         if (done) break;
         chunks.push(value);
         received += value.byteLength;
-        if (total) status.textContent = `${Math.floor((received / total) * 100)}%`;
+        if (total) show(`${Math.floor((received / total) * 100)}%`);
       }
       const blob = new Blob(chunks, { type: "application/octet-stream" });
       if (crypto.subtle) {
@@ -758,10 +768,10 @@
         const digest = await crypto.subtle.digest("SHA-256", await blob.arrayBuffer());
         const hex = Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
         if (hex !== ckpt.sha256) throw new Error("SHA-256 mismatch: the download is corrupt");
-        status.textContent = "✓ sha256";
+        show("✓ sha256");
       } else {
         if (blob.size !== ckpt.size_bytes) throw new Error("size mismatch: the download is incomplete");
-        status.textContent = "✓ size";
+        show("✓ size");
       }
       const url = URL.createObjectURL(blob);
       const save = el("a", { href: url, download: ckpt.name, hidden: true });
@@ -770,7 +780,7 @@
       save.remove();
       setTimeout(() => URL.revokeObjectURL(url), 60000);
     } catch (err) {
-      status.textContent = `failed: ${err.message}`;
+      show(`failed: ${err.message}`);
     } finally {
       delete link.dataset.busy;
     }

@@ -142,16 +142,14 @@ def test_within_a_pass_the_owners_take_turns() -> None:
     assert set(result.placements) == {1, 2, 7, 8}
 
 
-def test_ties_go_to_the_owner_with_fewer_recent_gpu_seconds_then_to_age() -> None:
+def test_between_equal_holders_the_oldest_job_goes_first() -> None:
+    """Contract §9: fewest GPUs held, then the oldest job (not the lighter past user)."""
     hosts = [Host(name="a", free=(0,))]
     jobs = [
-        QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=1, owner=1),
-        QueuedJob(id=2, priority=0, nodes=1, gpus_per_node=1, owner=2),
+        QueuedJob(id=2, priority=0, nodes=1, gpus_per_node=1, owner=1),
+        QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=1, owner=2),
     ]
-    heavy = {1: Owner(recent_gpu_s=5000.0), 2: Owner(recent_gpu_s=10.0)}
-    assert set(plan(jobs, hosts, 300, heavy).placements) == {2}
-    even = {1: Owner(recent_gpu_s=10.0), 2: Owner(recent_gpu_s=10.0)}
-    assert set(plan(jobs, hosts, 300, even).placements) == {1}
+    assert set(plan(jobs, hosts, 300, {1: Owner(), 2: Owner()}).placements) == {1}
 
 
 def test_priority_still_comes_before_fair_share() -> None:

@@ -67,7 +67,17 @@ def test_a_node_still_running_after_every_peer_ended_is_stopped_within_its_own_t
     clock.heard(now=0)
     assert clock.verdict(now=50, wall=WALL) is None  # peers still running
     clock.peers_ended(WALL - timedelta(seconds=119))
-    assert clock.verdict(now=50, wall=WALL) is None
-    assert clock.verdict(now=51, wall=WALL + timedelta(seconds=1)) == LOST_PEERS
+    assert clock.verdict(now=130, wall=WALL) is None
+    assert clock.verdict(now=131, wall=WALL + timedelta(seconds=1)) == LOST_PEERS
     clock.peers_ended(None)  # a look that found one running again (a retry's node)
-    assert clock.verdict(now=51, wall=WALL + timedelta(seconds=1)) is None
+    assert clock.verdict(now=131, wall=WALL + timedelta(seconds=1)) is None
+
+
+def test_a_node_alone_but_still_writing_is_not_a_lost_peer() -> None:
+    """Rank 0's final evaluation after the other nodes are done: it reports, so it runs on."""
+    clock = NodeClock(NodeLimits(peer_exit_timeout_s=120), now=0)
+    clock.ranks_up(now=0)
+    clock.peers_ended(WALL - timedelta(seconds=300))
+    clock.heard(now=250)
+    assert clock.verdict(now=300, wall=WALL) is None
+    assert clock.verdict(now=370, wall=WALL) == LOST_PEERS

@@ -118,3 +118,22 @@ def test_a_name_written_again_is_a_new_checkpoint(tmp_path: Path) -> None:
     os.utime(last, ns=(1, 10**18))
     assert [(f.path.name, f.version) for f in watcher.poll(final=True)] == [("last.pt", 2)]
     assert watcher.poll(final=True) == []  # unchanged since: never twice
+
+
+def test_a_stall_note_starts_its_own_line_even_after_a_partial_one(tmp_path: Path) -> None:
+    """Contract §8: the `[stall]` line starts a line, also when the rank's last output was a
+    partial line that the hold let out (a progress bar without its newline, then the hang)."""
+    from workers.launcher.ingest import HOLD_S, RankLogs
+
+    folder = tmp_path / "run" / "attempt_0" / "0"
+    folder.mkdir(parents=True)
+    (folder / "stdout.log").write_bytes(b"epoch 1 ... 40%")
+    (folder / "stderr.log").write_bytes(b"")
+    logs = RankLogs(tmp_path, 0)
+    assert logs.read_new(now=0.0)[1] == b""  # held: no newline yet
+    assert logs.read_new(now=HOLD_S + 1)[1] == b"epoch 1 ... 40%"  # let out by the hold
+    logs.note("[stall] silent")
+    _, data = logs.read_new(now=HOLD_S + 2)
+    assert data == b"\n[stall] silent\n"
+    logs.note("[stall] again")
+    assert logs.read_new(now=HOLD_S + 3)[1] == b"[stall] again\n"
