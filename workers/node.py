@@ -58,9 +58,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             shutdown=ctx.shutdown,
             host=f"worker {ctx.name} ({ctx.address})",
             agents=ctx.agents,
-            limits=dataclasses.replace(
-                _limits_now(claimed, claimed_at), peer_exit_timeout_s=ctx.settings.peer_exit_timeout_s
-            ),
+            limits=_limits_now(claimed, claimed_at, ctx.settings.peer_exit_timeout_s),
             nnodes=launch.nnodes,
         )
         outcome = supervisor.run()
@@ -87,12 +85,13 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
     return outcome.state
 
 
-def _limits_now(claimed: Claimed, claimed_at: float) -> NodeLimits:
-    """The time limit counts from the claim: building the environment is part of the run."""
+def _limits_now(claimed: Claimed, claimed_at: float, peer_exit_timeout_s: float) -> NodeLimits:
+    """The job's clocks and the worker's own peer timeout. The time limit counts from the
+    claim: building the environment is part of the run."""
     left = claimed.limits.time_left_s
-    if left is None:
-        return claimed.limits
-    return dataclasses.replace(claimed.limits, time_left_s=max(0.0, left - (time.monotonic() - claimed_at)))
+    if left is not None:
+        left = max(0.0, left - (time.monotonic() - claimed_at))
+    return dataclasses.replace(claimed.limits, time_left_s=left, peer_exit_timeout_s=peer_exit_timeout_s)
 
 
 def _claim(ctx: WorkerContext, key: NodeKey) -> Claimed | None:

@@ -60,7 +60,7 @@ def readmit(session: Session, worker_name: str) -> Worker:
     """The administrator's word that the host is well again: it takes work, its count starts over."""
     worker = session.get(Worker, worker_name, with_for_update=True)
     if worker is None:
-        raise NotFound(f"no worker named {worker_name!r}")
+        raise NotFound(f"worker {worker_name!r}")  # "worker 'x' not found"
     if worker.quarantine_reason is not None:
         log.info("worker %s readmitted (was: %s)", worker_name, worker.quarantine_reason)
     worker.quarantine_reason, worker.infra_failures = None, 0

@@ -27,6 +27,7 @@ from service.states import (
     job_may_move,
     node_may_move,
 )
+from service.usage.accounting import held_seconds
 from service.wakeups.message import mark_events, mark_freed
 
 QUEUED, SCHEDULED, RUNNING = JobState.QUEUED, JobState.SCHEDULED, JobState.RUNNING
@@ -158,8 +159,7 @@ def _close_attempt(session: Session, job: Job, reason: str | None) -> None:
         attempt.exit_code = job.exit_code
         attempt.reason = reason or job.state
         if attempt.started_at is not None:  # contract §9: every attempt counts, failed ones too
-            held = (attempt.finished_at - attempt.started_at).total_seconds()
-            attempt.gpu_seconds = max(0.0, held) * attempt.gpus
+            attempt.gpu_seconds = held_seconds(attempt.started_at, attempt.finished_at, attempt.gpus)
 
 
 def transition_node(

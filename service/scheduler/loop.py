@@ -15,10 +15,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Row, func, select, text, update
+from sqlalchemy import Row, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
@@ -34,6 +34,7 @@ from service.models import GpuAllocation, Job, NodeRun, User, Worker, utcnow
 from service.scheduler.outages import DatabaseOutages
 from service.scheduler.placement import Host, Owner, QueuedJob, plan
 from service.states import NODE_ACTIVE, NodeState, WorkerState
+from service.usage.accounting import gpus_in_use
 
 log = logging.getLogger("torchjobs.scheduler")
 ADVISORY_KEY = 0x746A6F6273  # "tjobs"
@@ -213,24 +214,17 @@ def placement_inputs(session: Session) -> PlacementInputs:
         for r in rows
         if r.id not in held_back
     ]
-    owners = owners_of(session, {r.owner_id for r in rows}, now)
+    owners = owners_of(session, {r.owner_id for r in rows})
     return PlacementInputs(rows, queued, hosts, workers, owners, ready)
 
 
-def owners_of(session: Session, owner_ids: set[int], now: datetime) -> dict[int, Owner]:
+def owners_of(session: Session, owner_ids: set[int]) -> dict[int, Owner]:
     """What fair share and quotas plan with (contract §9): the GPUs each owner holds now (their
     jobs' allocation rows, read in the pass's own transaction, so a quota holds even against
     a pass that placed a moment ago) and their quota."""
-    held = dict(
-        session.execute(
-            select(Job.owner_id, func.count())
-            .join(GpuAllocation, GpuAllocation.job_id == Job.id)
-            .where(Job.owner_id.in_(owner_ids))
-            .group_by(Job.owner_id)
-        ).all()
-    )
+    held = gpus_in_use(session, owner_ids)
     users = session.execute(select(User.id, User.name, User.gpu_quota).where(User.id.in_(owner_ids)))
-    return {u.id: Owner(name=u.name, in_use=int(held.get(u.id, 0)), quota=u.gpu_quota) for u in users}
+    return {u.id: Owner(name=u.name, in_use=held.get(u.id, 0), quota=u.gpu_quota) for u in users}
 
 
 def place(session: Session, settings: Settings) -> list[Dispatch]:

@@ -11,7 +11,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.models import Job, JobAttempt, utcnow
+from service.models import GpuAllocation, Job, JobAttempt, utcnow
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,12 +25,17 @@ class Held:
     end: datetime | None
 
 
+def held_seconds(start: datetime, end: datetime, gpus: int) -> float:
+    """The one formula: GPUs times the time between, never negative (clocks can disagree)."""
+    return max(0.0, (end - start).total_seconds()) * gpus
+
+
 def gpu_seconds(held: Held, since: datetime | None = None, until: datetime | None = None) -> float:
     """Its GPU-seconds inside [since, until] (either open), a running one up to now."""
     end = held.end or utcnow()
     lo = max(held.start, since) if since else held.start
     hi = min(end, until) if until else end
-    return max(0.0, (hi - lo).total_seconds()) * held.gpus
+    return held_seconds(lo, hi, held.gpus)
 
 
 def attempt_gpu_seconds(attempt: JobAttempt, now: datetime | None = None) -> float:
@@ -39,7 +44,15 @@ def attempt_gpu_seconds(attempt: JobAttempt, now: datetime | None = None) -> flo
         return 0.0
     if attempt.finished_at is not None:
         return attempt.gpu_seconds
-    return max(0.0, ((now or utcnow()) - attempt.started_at).total_seconds()) * attempt.gpus
+    return held_seconds(attempt.started_at, now or utcnow(), attempt.gpus)
+
+
+def gpus_in_use(session: Session, owner_ids: Iterable[int] | None = None) -> dict[int, int]:
+    """GPUs held right now, by owner (of these owners; all: None): their jobs' allocation rows."""
+    query = select(Job.owner_id, func.count()).join(GpuAllocation, GpuAllocation.job_id == Job.id)
+    if owner_ids is not None:
+        query = query.where(Job.owner_id.in_(list(owner_ids)))
+    return {owner: int(n) for owner, n in session.execute(query.group_by(Job.owner_id)).all()}
 
 
 def holds(
@@ -86,5 +99,5 @@ def totals_by_owner(session: Session, now: datetime | None = None) -> dict[int, 
     at = now or utcnow()
     for owner, gpus, started in running:
         if started is not None:  # (the query asks for none)
-            totals[owner] = totals.get(owner, 0.0) + max(0.0, (at - started).total_seconds()) * gpus
+            totals[owner] = totals.get(owner, 0.0) + held_seconds(started, at, gpus)
     return totals

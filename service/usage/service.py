@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -17,8 +17,7 @@ def usage(
     session: Session, caller: User, user: str | None, since: datetime | None, until: datetime | None
 ) -> UsageList:
     """A user sees their own figure; the admin everyone's, or one user's. Each attempt counts
-    the part of it inside [since, until]."""
-    since, until = _utc(since), _utc(until)
+    the part of it inside [since, until] (aware UTC times: the router makes them so)."""
     if since is not None and until is not None and until <= since:
         raise InvalidQuery("until", "until must be after since")
     users = _subjects(session, caller, user)
@@ -48,8 +47,3 @@ def _subjects(session: Session, caller: User, name: str | None) -> list[User]:
     if name is not None and not found:
         raise NotFound(f"user {name!r}")
     return found
-
-
-def _utc(moment: datetime | None) -> datetime | None:
-    """A time given without a zone is UTC (the API's times are)."""
-    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.auth.tokens import hash_token, new_token
 from service.errors import Conflict, NotFound
-from service.models import GpuAllocation, Job, User
+from service.models import User
+from service.usage.accounting import gpus_in_use
 from service.users.schemas import UserCreate, UserCreated, UserList, UserOut, UserPatch
 
 
@@ -35,16 +36,6 @@ def rotate_token(session: Session, user_id: int, issue_new: bool) -> UserCreated
     user.token_hash = hash_token(token) if token else None
     session.flush()
     return UserCreated(id=user.id, name=user.name, token=token) if token else None
-
-
-def gpus_in_use(session: Session) -> dict[int, int]:
-    """GPUs held right now, by owner: their jobs' allocation rows."""
-    rows = session.execute(
-        select(Job.owner_id, func.count())
-        .join(GpuAllocation, GpuAllocation.job_id == Job.id)
-        .group_by(Job.owner_id)
-    ).all()
-    return {owner: int(n) for owner, n in rows}
 
 
 def user_out(user: User, in_use: dict[int, int]) -> UserOut:
