@@ -16,6 +16,7 @@ in this order:
 | sandbox | bench/sandbox.py: first step and throughput in the ranks' sandbox | the product unsandboxed |
 | api | bench/api.py: GET/POST req/s and latency with wrk; list on 100k jobs | bare FastAPI; first page |
 | scheduler | bench/scheduler.py: placement rate; freed GPU -> scheduled | plan() in memory |
+| sweep | bench/sweep.py: a 1,000-point sweep's POST; the pass with it queued | 1,000 POSTs; plain queue |
 | events | bench/event_stream.py: SSE lag at 1/50/200 streams; ingestion writes | 1 stream; reports/s |
 | checkpoint | bench/checkpoint_download.py: 1 GiB download, RSS | fastest plain server |
 
@@ -238,6 +239,7 @@ BENCHMARKS = [
     Bench("environment", [PY, "-m", "bench.environment"], [PY, "-m", "bench.environment", "--smoke"]),
     Bench("api", [PY, "-m", "bench.api"], [PY, "-m", "bench.api", "--smoke"]),
     Bench("scheduler", [PY, "-m", "bench.scheduler"], [PY, "-m", "bench.scheduler", "--smoke"]),
+    Bench("sweep", [PY, "-m", "bench.sweep"], [PY, "-m", "bench.sweep", "--smoke"]),
     Bench("events", [PY, "bench/event_stream.py"], [PY, "bench/event_stream.py", "--smoke"], parse_events),
     Bench(
         "checkpoint",

@@ -57,6 +57,19 @@ JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.CANCELLED: frozenset(),
 }
 
+# A sweep's parent (contract §10) never runs itself: it is `running` from its creation while any
+# child is not terminal, then `succeeded` or `failed` by its children; a cancel goes through
+# `cancelling` (children stopping) to `cancelled`.
+SWEEP_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLING}),
+    JobState.CANCELLING: frozenset({JobState.CANCELLED}),
+    JobState.SCHEDULED: frozenset(),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
 NODE_ACTIVE = frozenset({NodeState.PENDING, NodeState.RUNNING})
 NODE_ENDS = frozenset({NodeState.SUCCEEDED, NodeState.FAILED, NodeState.CANCELLED, NodeState.LOST})
 NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
@@ -74,8 +87,9 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 }
 
 
-def job_may_move(current: str, new: str) -> bool:
-    return _allowed(JOB_TRANSITIONS, JobState, current, new)
+def job_may_move(current: str, new: str, kind: str = "job") -> bool:
+    table = SWEEP_TRANSITIONS if kind == "sweep" else JOB_TRANSITIONS
+    return _allowed(table, JobState, current, new)
 
 
 def node_may_move(current: str, new: str) -> bool:

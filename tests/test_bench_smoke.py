@@ -16,7 +16,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "test-artifacts" / "bench" / "smoke"
 DOC = REPO / "docs" / "benchmarks.md"
-BENCHMARKS = ("trainer", "launch", "sandbox", "environment", "api", "scheduler", "events", "checkpoint")
+BENCHMARKS = (
+    "trainer",
+    "launch",
+    "sandbox",
+    "environment",
+    "api",
+    "scheduler",
+    "sweep",
+    "events",
+    "checkpoint",
+)
 
 
 def _stat(path: Path) -> tuple[int, int] | None:

@@ -102,8 +102,10 @@ class Client:
     def list_code(self) -> builtins.list[dict[str, Any]]:
         return self._get("/v1/code")["items"]
 
-    def list(self, state: str | None = None, limit: int = 50, cursor: str | None = None) -> dict[str, Any]:
-        return self._get("/v1/jobs", state=state, limit=limit, cursor=cursor)
+    def list(
+        self, state: str | None = None, limit: int = 50, cursor: str | None = None, parent: int | None = None
+    ) -> dict[str, Any]:
+        return self._get("/v1/jobs", state=state, limit=limit, cursor=cursor, parent=parent)
 
     def events(self, job_id: int, after: int = 0) -> builtins.list[dict[str, Any]]:
         return self._get(f"/v1/jobs/{job_id}/events", after=after)["items"]

@@ -170,6 +170,68 @@ def parse_dependency(text: str) -> dict[str, Any]:
     return {"job_id": int(job), "condition": condition or "succeeded"}
 
 
+def _percent(job: dict[str, Any]) -> str:
+    p = job["progress"]
+    return f"{p['fraction'] * 100:.0f}%" if p.get("fraction") is not None else ""
+
+
+def _number(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None else ""
+
+
+def jobs_table(items: list[dict[str, Any]]) -> Table:
+    table = Table("id", "name", "state", "mode", "nodes×gpus", "progress", "loss", "created")
+    for job in items:
+        sweep = job.get("sweep")
+        table.add_row(
+            str(job["id"]),
+            job["name"] or "",
+            job["state"],
+            f"sweep of {sweep['children']}" if sweep else job["mode"],
+            f"{job['nodes']}×{job['gpus_per_node']}",
+            _percent(job),
+            _number(job["progress"].get("loss")),
+            job["created_at"][:19],
+        )
+    return table
+
+
+def children_table(items: list[dict[str, Any]]) -> Table:
+    """A sweep's children, oldest first, one column per varied path: the results side by side."""
+    items = sorted(items, key=lambda j: j["id"])
+    paths = list(dict.fromkeys(p for job in items for p in (job.get("sweep_point") or {})))
+    leaves = [p.rsplit(".", 1)[-1] for p in paths]
+    heads = leaves if len(set(leaves)) == len(leaves) else paths  # "lr", unless two paths end alike
+    table = Table("id", *heads, "state", "progress", "loss", "val_loss", "val_acc")
+    for job in items:
+        point, p = job.get("sweep_point") or {}, job["progress"]
+        table.add_row(
+            str(job["id"]),
+            *(str(point.get(path, "")) for path in paths),
+            job["state"],
+            _percent(job),
+            _number(p.get("loss")),
+            _number(p.get("val_loss")),
+            _number(p.get("val_accuracy")),
+        )
+    return table
+
+
+def parse_sweep(items: list[str], max_parallel: int | None) -> dict[str, Any]:
+    """`--sweep 'hyperparameters.lr=0.1,0.01'` (repeatable): one axis of the grid each, the
+    values read as YAML scalars (`0.1` a number, `adamw` a string)."""
+    grid: dict[str, Any] = {}
+    for item in items:
+        path, sep, raw = item.partition("=")
+        if not sep or not path.strip() or not raw.strip():
+            raise typer.BadParameter(f"--sweep takes PATH=V1,V2,..., got {item!r}")
+        grid[path.strip()] = [load_yaml(v.strip()) for v in raw.split(",")]
+    sweep: dict[str, Any] = {"grid": grid}
+    if max_parallel is not None:
+        sweep["max_parallel"] = max_parallel
+    return sweep
+
+
 def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small commands
     @app.command()
     def submit(
@@ -191,6 +253,13 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         depends_on: Annotated[
             list[str] | None,
             typer.Option("--depends-on", help="JOB_ID (it must succeed) or JOB_ID:ended; repeatable"),
+        ] = None,
+        sweep: Annotated[
+            list[str] | None,
+            typer.Option("--sweep", help="PATH=V1,V2,...: one child job per point of the grid; repeatable"),
+        ] = None,
+        max_parallel: Annotated[
+            int | None, typer.Option("--max-parallel", help="a sweep's children running at once")
         ] = None,
         url: UrlOpt = None,
         token: TokenOpt = None,
@@ -215,6 +284,10 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
         spec = build_spec(file, set_ or [], flags)
         if depends_on:
             spec["depends_on"] = [*spec.get("depends_on", []), *map(parse_dependency, depends_on)]
+        if sweep:
+            spec["sweep"] = parse_sweep(sweep, max_parallel)
+        elif max_parallel is not None:
+            raise typer.BadParameter("--max-parallel goes with --sweep")
         with api(url, token) as client:
             if workdir is not None:
                 spec["code"] = _push(client, workdir)["id"]
@@ -266,32 +339,20 @@ def register(app: typer.Typer) -> None:  # noqa: C901 - a flat list of small com
     def ls(
         state: Annotated[str | None, typer.Option()] = None,
         limit: Annotated[int, typer.Option()] = 20,
+        parent: Annotated[int | None, typer.Option(help="a sweep's id: its children")] = None,
         url: UrlOpt = None,
         token: TokenOpt = None,
         output: OutputOpt = "table",
     ) -> None:
-        """List jobs, newest first."""
+        """List jobs, newest first (a sweep's children, side by side, with --parent)."""
         with api(url, token) as client:
-            page = client.list(state=state, limit=limit)
+            page = client.list(state=state, limit=limit, parent=parent)
         if output == "json":
             emit(page, output)
-            return
-        table = Table("id", "name", "state", "mode", "nodes×gpus", "progress", "loss", "created")
-        for job in page["items"]:
-            p = job["progress"]
-            frac = f"{p['fraction'] * 100:.0f}%" if p.get("fraction") is not None else ""
-            loss = f"{p['loss']:.4f}" if p.get("loss") is not None else ""
-            table.add_row(
-                str(job["id"]),
-                job["name"] or "",
-                job["state"],
-                job["mode"],
-                f"{job['nodes']}×{job['gpus_per_node']}",
-                frac,
-                loss,
-                job["created_at"][:19],
-            )
-        Console().print(table)
+        elif parent is not None:
+            Console().print(children_table(page["items"]))
+        else:
+            Console().print(jobs_table(page["items"]))
 
     @app.command()
     def show(job_id: int, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "json") -> None:

@@ -49,10 +49,17 @@ def get_by_idempotency_key(session: Session, owner_id: int, key: str) -> Job | N
 
 
 def list_jobs(
-    session: Session, owner_id: int | None, state: str | None, limit: int, before_id: int | None
+    session: Session,
+    owner_id: int | None,
+    state: str | None,
+    limit: int,
+    before_id: int | None,
+    parent_id: int | None = None,
 ) -> Sequence[Job]:
     """Newest first by id; keyset pagination so page N costs what page 1 costs."""
     query = select(Job).order_by(Job.id.desc()).limit(limit)
+    if parent_id is not None:
+        query = query.where(Job.parent_id == parent_id)
     if owner_id is not None:
         query = query.where(Job.owner_id == owner_id)
     if state is not None:

@@ -81,8 +81,9 @@ def list_jobs(
     state: Annotated[str | None, Query(max_length=16)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=32)] = None,
+    parent: Annotated[int | None, Query(ge=1, le=MAX_ID, description="a sweep's id: its children")] = None,
 ) -> JobList:
-    return service.list_jobs(session, user, state, limit, cursor)
+    return service.list_jobs(session, user, state, limit, cursor, parent)
 
 
 @router.get("/{job_id}", response_model=JobOut)

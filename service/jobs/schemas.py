@@ -47,6 +47,16 @@ class AttemptOut(Output):
     gpu_seconds: float = 0.0  # contract §9: while it runs, up to the moment it was read
 
 
+class SweepOut(BaseModel):
+    """A sweep parent's grid and its children's standing (contract §10)."""
+
+    grid: dict[str, list[Any]]
+    max_parallel: int | None
+    children: int
+    ended: int
+    states: dict[str, int]  # children per state
+
+
 class JobOut(BaseModel):
     id: int
     name: str | None
@@ -76,6 +86,10 @@ class JobOut(BaseModel):
     attempts: list[AttemptOut]
     gpu_seconds: float = 0.0  # every attempt's, failed and cancelled ones too (contract §9)
     depends_on: list[dict[str, Any]] = []  # [{"job_id", "condition"}] (contract §10)
+    kind: str = "job"  # "sweep" for a sweep's parent (contract §10)
+    parent_id: int | None = None  # a sweep's child: its parent
+    sweep_point: dict[str, Any] | None = None  # a sweep's child: its values, by spec path
+    sweep: SweepOut | None = None  # a sweep's parent: its grid and its children's states
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

@@ -26,6 +26,7 @@ from service.jobs.schemas import (
     JobOut,
     MetricsOut,
     Progress,
+    SweepOut,
 )
 from service.jobs.spec import JobSpec
 from service.jobs.states import (
@@ -36,6 +37,14 @@ from service.jobs.states import (
     TERMINAL,
     create_job,
     transition_job,
+)
+from service.jobs.sweeps import (
+    SWEEP,
+    cancel_sweep,
+    create_children,
+    expand_sweep,
+    sweep_parent,
+    validate_children,
 )
 from service.jobs.validation import validate_in_context
 from service.models import Checkpoint, Job, User, utcnow
@@ -53,16 +62,58 @@ def submit_job(
     spec: JobSpec,
     idempotency_key: str | None,
 ) -> tuple[Job, bool]:
-    """Returns (job, created). A repeated Idempotency-Key returns the first job, never a second."""
+    """Returns (job, created). A repeated Idempotency-Key returns the first job, never a second.
+    A sweep is validated whole, child by child, before anything is written (contract §10)."""
     if idempotency_key is not None:
         existing = repo.get_by_idempotency_key(session, user.id, idempotency_key)
         if existing is not None:
             return existing, False
-    resume_checkpoint_id = validate_in_context(session, settings, storage, spec, user)
+    if spec.sweep is not None:
+        children = expand_sweep(spec)
+        resume_ids = validate_children(
+            children, lambda child: validate_in_context(session, settings, storage, child, user)
+        )
+        job = sweep_parent(new_job(session, user, spec, None, idempotency_key), spec, len(children))
+    else:
+        resume_checkpoint_id = validate_in_context(session, settings, storage, spec, user)
+        job = new_job(session, user, spec, resume_checkpoint_id, idempotency_key)
+    existing = _create_once(session, job, user, idempotency_key)
+    if existing is not None:
+        return existing, False
+    if spec.sweep is not None:
+        create_children(session, job, children, resume_ids, lambda c, r: new_job(session, user, c, r, None))
+    elif spec.depends_on:
+        add_dependencies(session, job, spec)
+    return job, True
+
+
+def _create_once(session: Session, job: Job, user: User, idempotency_key: str | None) -> Job | None:
+    """Create the job; the job a concurrent request with the same key created, if it won."""
+    if idempotency_key is None:
+        create_job(session, job)
+        return None
+    try:
+        # A SAVEPOINT (two round trips) only where a duplicate key is a normal outcome: a
+        # concurrent request with the same key won the race, and its job is the answer.
+        with session.begin_nested():
+            create_job(session, job)
+    except IntegrityError:
+        existing = repo.get_by_idempotency_key(session, user.id, idempotency_key)
+        if existing is None:
+            raise
+        return existing
+    return None
+
+
+def new_job(
+    session: Session, user: User, spec: JobSpec, resume_checkpoint_id: int | None, idempotency_key: str | None
+) -> Job:
+    """The row for a spec, not yet added: `create_job` enters it into the machine."""
     hyper = spec.effective_hyperparameters()
-    job = Job(
+    return Job(
         owner_id=user.id,
         name=spec.name,
+        kind="job",
         mode=spec.mode,
         nodes=spec.nodes,
         gpus_per_node=spec.gpus_per_node,
@@ -84,23 +135,6 @@ def submit_job(
         idempotency_key=idempotency_key,
         pending_reason="waiting for the scheduler",
     )
-    if idempotency_key is None:
-        create_job(session, job)
-    else:
-        try:
-            # A SAVEPOINT (two round trips) only where a duplicate key is a normal outcome: a
-            # concurrent request with the same key won the race, and its job is the answer.
-            with session.begin_nested():
-                create_job(session, job)
-        except IntegrityError:
-            existing = repo.get_by_idempotency_key(session, user.id, idempotency_key)
-            if existing is None:
-                raise
-            return existing, False
-    if spec.depends_on:
-        session.flush()
-        add_dependencies(session, job, spec)
-    return job, True
 
 
 def _progress_from(session: Session, checkpoint_id: int | None) -> dict[str, Any] | None:
@@ -118,11 +152,21 @@ def get_job(session: Session, user: User, job_id: int) -> Job:
     return job
 
 
-def list_jobs(session: Session, user: User, state: str | None, limit: int, cursor: str | None) -> JobList:
+def list_jobs(
+    session: Session,
+    user: User,
+    state: str | None,
+    limit: int,
+    cursor: str | None,
+    parent: int | None = None,
+) -> JobList:
+    """Newest first; `parent`: a sweep's children only (404 when that job is not the caller's)."""
     if state is not None and state not in ALL_STATES:
         raise InvalidSpec(("state",), f"unknown state; one of {', '.join(ALL_STATES)}")
     before = _parse_cursor(cursor)
-    jobs = repo.list_jobs(session, None if user.is_admin else user.id, state, limit + 1, before)
+    if parent is not None:
+        get_job(session, user, parent)
+    jobs = repo.list_jobs(session, None if user.is_admin else user.id, state, limit + 1, before, parent)
     page = list(jobs[:limit])
     next_cursor = str(page[-1].id) if len(jobs) > limit and page else None
     return JobList(items=job_views(session, page, viewer=user), next_cursor=next_cursor)
@@ -149,6 +193,9 @@ def cancel_job(session: Session, user: User, job_id: int) -> Job:
         return job
     if job.state in TERMINAL:
         raise Conflict(f"job {job.id} already {job.state}")
+    if job.kind == SWEEP:
+        cancel_sweep(session, job)
+        return job
     was_queued = job.state == QUEUED
     transition_job(session, job, CANCELLING, "cancelled by user")
     if was_queued:
@@ -172,6 +219,9 @@ def metrics(session: Session, job: Job) -> MetricsOut:
 
 def progress_of(job: Job) -> Progress:
     data: dict[str, Any] = dict(job.progress or {})
+    if job.kind == SWEEP:  # the share of children that ended (contract §10)
+        children = data.get("children") or 0
+        return Progress(fraction=(data.get("ended", 0) / children) if children else 1.0)
     if job.hyperparameters and data.get("epochs") is None:
         data["epochs"] = job.hyperparameters.get("epochs")
     total, step = data.get("total_steps"), data.get("step")
@@ -183,6 +233,19 @@ def progress_of(job: Job) -> Progress:
     if job.state == JobState.SUCCEEDED:
         fraction = 1.0
     return Progress(**{k: data.get(k) for k in PROGRESS_FIELDS}, fraction=fraction)
+
+
+def sweep_out(job: Job) -> SweepOut | None:
+    if job.kind != SWEEP or job.sweep is None:
+        return None
+    progress = job.progress or {}
+    return SweepOut(
+        grid=job.sweep.get("grid", {}),
+        max_parallel=job.sweep.get("max_parallel"),
+        children=progress.get("children", 0),
+        ended=progress.get("ended", 0),
+        states=progress.get("states", {}),
+    )
 
 
 def job_views(session: Session, jobs: Sequence[Job], viewer: User | None = None) -> list[JobOut]:
@@ -237,6 +300,10 @@ def job_views(session: Session, jobs: Sequence[Job], viewer: User | None = None)
             queue_position=positions.get(j.id),
             attempts=attempts.get(j.id, []),
             depends_on=list(j.depends_on or []),
+            kind=j.kind or "job",
+            parent_id=j.parent_id,
+            sweep_point=j.sweep_point,
+            sweep=sweep_out(j),
             gpu_seconds=round(sum(a.gpu_seconds for a in attempts.get(j.id, [])), 3),
             created_at=j.created_at,
             started_at=j.started_at,

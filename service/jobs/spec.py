@@ -7,8 +7,9 @@ script inside the roots, is the checkpoint the caller's) live in `service.jobs.v
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
@@ -155,6 +156,38 @@ class Environment(Input):
     pip: list[PipItem] = Field(default_factory=list, max_length=100)
 
 
+GRID_PATH_RE = r"^[a-z_][a-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+GridPath = Annotated[str, Field(pattern=GRID_PATH_RE, max_length=128)]
+MAX_SWEEP_POINTS = 1000
+
+
+class Sweep(Input):
+    """A grid over spec fields (contract §10): one child job per point, each validated as if
+    it had been submitted alone (`service.jobs.sweeps`)."""
+
+    grid: dict[GridPath, Annotated[list[Any], Field(min_length=1, max_length=MAX_SWEEP_POINTS)]] = Field(
+        min_length=1,
+        max_length=16,
+        description='dotted spec paths to values: {"hyperparameters.lr": [0.1, 0.01]}',
+    )
+    max_parallel: int | None = Field(None, ge=1, le=MAX_SWEEP_POINTS, description="children running at once")
+
+    @field_validator("grid")
+    @classmethod
+    def _paths_and_size(cls, v: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        paths = sorted(v)
+        for path in paths:
+            if path.split(".")[0] == "sweep":
+                raise ValueError(f"{path!r}: a sweep cannot vary its own sweep")
+        for a, b in zip(paths, paths[1:], strict=False):
+            if b.startswith(a + "."):
+                raise ValueError(f"{a!r} and {b!r} overlap: give one of them")
+        points = math.prod(len(values) for values in v.values())
+        if points > MAX_SWEEP_POINTS:
+            raise ValueError(f"the grid has {points} points; at most {MAX_SWEEP_POINTS}")
+        return v
+
+
 class JobSpec(Input):
     name: NAME | None = None
     mode: Literal["single", "dp", "ddp"]
@@ -179,6 +212,7 @@ class JobSpec(Input):
     code: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="an uploaded Code id")
     environment: Environment | None = None
     depends_on: list[Dependency] = Field(default_factory=list, max_length=32)
+    sweep: Sweep | None = None
 
     @field_validator("nodes")
     @classmethod

@@ -41,8 +41,8 @@ TERMINAL, ACTIVE, TRANSITIONS = JOB_TERMINAL, JOB_ACTIVE, JOB_TRANSITIONS
 ALL_STATES = tuple(JobState)
 
 
-def can_transition(current: str, new: str) -> bool:
-    return job_may_move(current, new)
+def can_transition(current: str, new: str, kind: str = "job") -> bool:
+    return job_may_move(current, new, kind)
 
 
 def lock_job(session: Session, job_id: int) -> Job | None:
@@ -125,7 +125,7 @@ def create_job(session: Session, job: Job, reason: str = "submitted") -> JobEven
 
 
 def transition_job(session: Session, job: Job, new_state: str, reason: str | None = None) -> JobEvent:
-    if not can_transition(job.state, new_state):
+    if not can_transition(job.state, new_state, job.kind or "job"):
         raise Conflict(f"job {job.id} cannot go from {job.state} to {new_state}")
     now = utcnow()
     new_state = JobState(new_state).value

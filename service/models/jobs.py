@@ -26,6 +26,8 @@ class Job(Base):
         UniqueConstraint("owner_id", "idempotency_key"),
         Index("ix_jobs_queue", "state", "priority", "id"),
         Index("ix_jobs_owner_id_id", "owner_id", "id"),
+        Index("ix_jobs_parent_id_id", "parent_id", "id"),
+        Index("ix_jobs_kind_state", "kind", "state"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -45,6 +47,14 @@ class Job(Base):
     environment: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # {"pip": [...]}
     # contract §10, as submitted, for the job's view; `job_dependencies` serves the scheduler
     depends_on: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    # contract §10: "sweep" for a sweep's parent (it never runs; its state follows its
+    # children), "job" for everything else, a sweep's children included
+    kind: Mapped[str] = mapped_column(String(8), default="job", server_default="job")
+    parent_id: Mapped[int | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE", name="fk_jobs_parent_id")
+    )
+    sweep_point: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # a child's {path: value}
+    sweep: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the parent's {"grid", "max_parallel"}
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     max_retries: Mapped[int] = mapped_column(Integer, default=0)
     max_duration_s: Mapped[int | None] = mapped_column(Integer)  # summed over attempts (contract §8)

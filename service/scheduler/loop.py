@@ -30,10 +30,11 @@ from service.hosts.states import take_offline
 from service.jobs.dependencies import Readiness, fail_doomed, readiness, take_dependency_checkpoint
 from service.jobs.lifecycle import cancel_pending_nodes, lose_node, open_attempt, runs_of, tell_quarantined
 from service.jobs.states import ACTIVE, CANCELLING, QUEUED, SCHEDULED, lock_job, transition_job
+from service.jobs.sweeps import SWEEP, settle_sweeps, sweep_limits
 from service.models import GpuAllocation, Job, NodeRun, User, Worker, utcnow
 from service.scheduler.outages import DatabaseOutages
-from service.scheduler.placement import Host, Owner, QueuedJob, plan
-from service.states import NODE_ACTIVE, NodeState, WorkerState
+from service.scheduler.placement import Host, Owner, QueuedJob, SweepLimit, plan
+from service.states import NODE_ACTIVE, JobState, NodeState, WorkerState
 from service.usage.accounting import gpus_in_use
 
 log = logging.getLogger("torchjobs.scheduler")
@@ -78,12 +79,23 @@ def run_pass(
         if outages is not None and isinstance(exc, OperationalError):
             outages.unreachable()
         return []
+    settle(db)
     if sent or resend:
         try:
             dispatch(sent + resend)
         except Exception as exc:  # broker down: the rows stand, undelivered() sends again later
             log.warning("dispatch failed (%s); nodes will be re-sent", exc.__class__.__name__)
     return sent
+
+
+def settle(db: Database) -> None:
+    """Sweep parents follow their children (contract §10), in a transaction of their own: it
+    locks parents, and the pass above locks children (`service.jobs.sweeps`, lock order)."""
+    try:
+        with db.transaction() as session:
+            settle_sweeps(session)
+    except (IntegrityError, OperationalError) as exc:
+        log.warning("sweep bookkeeping rolled back: %s", exc.__class__.__name__)
 
 
 def undelivered(session: Session, settings: Settings) -> list[Dispatch]:
@@ -146,7 +158,8 @@ def reap(session: Session, settings: Settings, judge_silence: bool = True) -> No
                 session, run.worker_name, HostVerdict.FAILED_HERE, reason, settings.quarantine_after
             ):
                 tell_quarantined(session, run.job_id, run.worker_name)
-    for job in session.execute(select(Job).where(Job.state == CANCELLING)).scalars().all():
+    cancelling = select(Job).where(Job.state == CANCELLING, Job.kind != SWEEP)  # (a sweep: settle_sweeps)
+    for job in session.execute(cancelling).scalars().all():
         if all(r.state != NodeState.RUNNING for r in runs_of(session, job.id, job.attempt)):
             cancel_pending_nodes(session, job)
 
@@ -161,6 +174,7 @@ class PlacementInputs:
     workers: dict[str, Worker]
     owners: dict[int, Owner] = field(default_factory=dict)
     readiness: Readiness = field(default_factory=Readiness)  # jobs waiting on jobs, or doomed by them
+    sweeps: dict[int, SweepLimit] = field(default_factory=dict)  # max_parallel of the queue's sweeps
 
 
 def placement_inputs(session: Session) -> PlacementInputs:
@@ -174,6 +188,7 @@ def placement_inputs(session: Session) -> PlacementInputs:
             Job.queued_at,
             Job.pending_reason,
             Job.owner_id,
+            Job.parent_id,
             User.is_admin,
         )
         .join(User, User.id == Job.owner_id)
@@ -210,12 +225,14 @@ def placement_inputs(session: Session) -> PlacementInputs:
             waited_s=(now - r.queued_at).total_seconds(),
             by_admin=bool(r.is_admin),
             owner=r.owner_id,
+            sweep=r.parent_id,
         )
         for r in rows
         if r.id not in held_back
     ]
     owners = owners_of(session, {r.owner_id for r in rows})
-    return PlacementInputs(rows, queued, hosts, workers, owners, ready)
+    sweeps = sweep_limits(session, {q.sweep for q in queued if q.sweep is not None})
+    return PlacementInputs(rows, queued, hosts, workers, owners, ready, sweeps)
 
 
 def owners_of(session: Session, owner_ids: set[int]) -> dict[int, Owner]:
@@ -233,7 +250,7 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
     if not inputs.rows:
         return []
     rows, queued, hosts, workers = inputs.rows, inputs.queued, inputs.hosts, inputs.workers
-    decision = plan(queued, hosts, settings.starvation_s, inputs.owners)
+    decision = plan(queued, hosts, settings.starvation_s, inputs.owners, inputs.sweeps)
     _write_pending_reasons(session, rows, decision.pending_reasons, bool(workers))
     _write_pending_reasons(session, rows, inputs.readiness.waiting, any_worker=True)
     fail_doomed(session, inputs.readiness.doomed)
@@ -348,6 +365,9 @@ def has_waiting_work(db: Database) -> bool:
     and not yet claimed (to re-send). A submit or freed GPUs wake the scheduler anyway."""
     with db.read() as session:
         job = session.execute(select(Job.id).where(Job.state.in_((QUEUED, CANCELLING))).limit(1)).first()
+        if job is None:  # a sweep whose children all ended since the last pass: settle it
+            live = select(Job.id).where(Job.kind == SWEEP, Job.state == JobState.RUNNING).limit(1)
+            job = session.execute(live).first()
         node = session.execute(select(NodeRun.id).where(NodeRun.state == NodeState.PENDING).limit(1)).first()
     return job is not None or node is not None
 

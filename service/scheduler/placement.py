@@ -36,6 +36,7 @@ class QueuedJob:
     waited_s: float = 0.0
     by_admin: bool = True
     owner: int = 0
+    sweep: int | None = None  # a sweep's child: its parent, whose max_parallel it counts in
 
 
 @dataclass(kw_only=True)
@@ -45,6 +46,15 @@ class Owner:
     name: str = ""
     in_use: int = 0
     quota: int | None = None
+
+
+@dataclass
+class SweepLimit:
+    """A sweep's children holding GPUs in this pass (grows as it places them), and its
+    `max_parallel` (contract §10)."""
+
+    limit: int
+    active: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +106,11 @@ class FairOrder:
 
 
 def plan(
-    jobs: list[QueuedJob], hosts: list[Host], starvation_s: float, owners: dict[int, Owner] | None = None
+    jobs: list[QueuedJob],
+    hosts: list[Host],
+    starvation_s: float,
+    owners: dict[int, Owner] | None = None,
+    sweeps: dict[int, SweepLimit] | None = None,
 ) -> Plan:
     free = {h.name: sorted(h.free) for h in hosts if not h.quarantined}
     sick = {h.name: len(h.free) for h in hosts if h.quarantined}
@@ -104,6 +118,7 @@ def plan(
     result = Plan()
     blocker: QueuedJob | None = None
     order = FairOrder(jobs, {k: replace(o) for k, o in (owners or {}).items()})  # inputs stay as given
+    limits = {k: replace(v) for k, v in (sweeps or {}).items()}
     for job in order:
         if blocker is not None:
             result.pending_reasons[job.id] = f"waiting behind job {blocker.id}, which has waited longest"
@@ -111,6 +126,13 @@ def plan(
         owner, need = order.owner(job.owner), job.nodes * job.gpus_per_node
         if owner.quota is not None and owner.in_use + need > owner.quota:
             result.pending_reasons[job.id] = _over_quota(owner, need)
+            continue
+        sweep = limits.get(job.sweep) if job.sweep is not None else None
+        if sweep is not None and sweep.active >= sweep.limit:
+            result.pending_reasons[job.id] = (
+                f"waits for its sweep's max_parallel: {sweep.active} of {sweep.limit} children of "
+                f"sweep {job.sweep} hold GPUs"
+            )
             continue
         fitting = sorted(
             (n for n, gpus in free.items() if len(gpus) >= job.gpus_per_node), key=lambda n: (len(free[n]), n)
@@ -131,6 +153,8 @@ def plan(
             nodes.append(NodePlacement(node_rank=rank, host=host, gpus=taken))
         result.placements[job.id] = tuple(nodes)
         owner.in_use += need
+        if sweep is not None:
+            sweep.active += 1
     return result
 
 

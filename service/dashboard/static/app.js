@@ -312,30 +312,80 @@
     );
   }
 
+  // Sweeps (contract §10): one row each, opening to its children with their results side by side.
+  const openSweeps = new Set();
+
+  function jobRow(job) {
+    const p = job.progress || {};
+    const sweep = job.sweep;
+    const mode = sweep ? `sweep of ${sweep.children}` : job.parent_id ? `${job.mode} (sweep #${job.parent_id})` : job.mode;
+    const name = el("td", {}, el("a", { href: `#/jobs/${job.id}`, text: job.name || "(unnamed)" }));
+    if (sweep) {
+      const open = openSweeps.has(job.id);
+      name.prepend(el("button", {
+        class: "toggle", type: "button", "data-sweep": job.id, title: "show the children",
+        text: open ? "▾" : "▸",
+        onclick: () => {
+          open ? openSweeps.delete(job.id) : openSweeps.add(job.id);
+          refreshJobs().catch(console.error);
+        },
+      }), " ");
+    }
+    return el(
+      "tr",
+      { "data-job": job.id },
+      el("td", {}, el("a", { href: `#/jobs/${job.id}`, text: `#${job.id}` })),
+      name,
+      el("td", {}, el("span", { class: `badge ${job.state}`, text: job.state })),
+      el("td", { text: mode }),
+      el("td", { text: `${job.nodes}×${job.gpus_per_node}` }),
+      el("td", {}, el("div", { class: "progress-cell" }, progressBar(p.fraction),
+        el("span", { class: "small muted", text: sweep ? `${sweep.ended} of ${sweep.children} ended` : progressText(p) }))),
+      el("td", { class: "mono", text: fmtNum(p.loss) }),
+      el("td", { text: job.owner }),
+      el("td", { class: "small", text: fmtTime(job.created_at) }),
+    );
+  }
+
+  function childrenRow(parent, children) {
+    const paths = [...new Set(children.flatMap((c) => Object.keys(c.sweep_point || {})))];
+    const head = el("tr", {}, ...["job", ...paths, "state", "loss", "val_loss", "val_accuracy"].map((h) => el("th", { text: h })));
+    const rows = children
+      .sort((a, b) => a.id - b.id)
+      .map((c) => {
+        const p = c.progress || {};
+        return el(
+          "tr",
+          { "data-child": c.id },
+          el("td", {}, el("a", { href: `#/jobs/${c.id}`, text: `#${c.id}` })),
+          ...paths.map((path) => el("td", { class: "mono", text: JSON.stringify((c.sweep_point || {})[path]) })),
+          el("td", {}, el("span", { class: `badge ${c.state}`, text: c.state })),
+          el("td", { class: "mono", text: fmtNum(p.loss) }),
+          el("td", { class: "mono", text: fmtNum(p.val_loss) }),
+          el("td", { class: "mono", text: fmtNum(p.val_accuracy) }),
+        );
+      });
+    const table = el("table", { class: "list children" }, el("thead", {}, head), el("tbody", {}, ...rows));
+    return el("tr", { "data-children-of": parent.id }, el("td", { colspan: "9" }, table));
+  }
+
   async function refreshJobs() {
     const state = $("jobs-state").value;
     const query = new URLSearchParams({ limit: "50" });
     if (state) query.set("state", state);
-    const { items } = await getJson(`/v1/jobs?${query}`, { signal: current.controller.signal });
-    $("jobs-body").replaceChildren(
-      ...items.map((job) => {
-        const p = job.progress || {};
-        return el(
-          "tr",
-          { "data-job": job.id },
-          el("td", {}, el("a", { href: `#/jobs/${job.id}`, text: `#${job.id}` })),
-          el("td", {}, el("a", { href: `#/jobs/${job.id}`, text: job.name || "(unnamed)" })),
-          el("td", {}, el("span", { class: `badge ${job.state}`, text: job.state })),
-          el("td", { text: job.mode }),
-          el("td", { text: `${job.nodes}×${job.gpus_per_node}` }),
-          el("td", {}, el("div", { class: "progress-cell" }, progressBar(p.fraction),
-            el("span", { class: "small muted", text: progressText(p) }))),
-          el("td", { class: "mono", text: fmtNum(p.loss) }),
-          el("td", { text: job.owner }),
-          el("td", { class: "small", text: fmtTime(job.created_at) }),
-        );
-      }),
-    );
+    const signal = current.controller.signal;
+    const { items } = await getJson(`/v1/jobs?${query}`, { signal });
+    const shown = new Set(items.map((j) => j.id));
+    const rows = [];
+    for (const job of items) {
+      if (job.parent_id && shown.has(job.parent_id)) continue; // inside its sweep's row
+      rows.push(jobRow(job));
+      if (job.sweep && openSweeps.has(job.id)) {
+        const kids = await getJson(`/v1/jobs?parent=${job.id}&limit=500`, { signal });
+        rows.push(childrenRow(job, kids.items));
+      }
+    }
+    $("jobs-body").replaceChildren(...rows);
     $("jobs-empty").hidden = items.length > 0;
   }
   $("jobs-state").addEventListener("change", () => refreshJobs().catch(console.error));

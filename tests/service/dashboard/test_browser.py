@@ -290,3 +290,37 @@ def test_sse_parser_handles_split_lines_comments_and_multiline_data(stack: Stack
         {"id": "1", "event": "state", "data": '{"seq":1}'},
         {"id": "1", "event": "message", "data": "a\nb"},
     ]
+
+
+def test_a_sweep_is_one_row_that_opens_to_its_children_and_their_losses(stack: Stack, page: Any) -> None:
+    """Contract §10 on the dashboard: the children sit inside their sweep's row, not beside it,
+    and open to a table of their points with their final losses side by side."""
+    hyper = {"epochs": 1, "synthetic_size": 256, "num_workers": 0}
+    spec = {
+        "name": "lr-sweep",
+        "mode": "single",
+        "entrypoint": {"kind": "builtin", "model": "mlp", "dataset": "synthetic"},
+        "hyperparameters": hyper,
+        "sweep": {"grid": {"hyperparameters.lr": [0.1, 0.01]}},
+    }
+    parent = stack.submit(spec)
+    assert stack.wait_job(parent["id"], timeout=180)["state"] == "succeeded", stack.describe(parent["id"])
+    page.set_default_timeout(30_000)
+    page.goto(f"{stack.url}/")
+    page.fill("#token", ADMIN_TOKEN)
+    page.click("#signin-form button[type=submit]")
+    row = page.wait_for_selector(f"tr[data-job='{parent['id']}']")
+    assert "sweep of 2" in row.inner_text()
+    with stack.client() as c:
+        kids = c.get("/v1/jobs", params={"parent": parent["id"]}).json()["items"]
+    for kid in kids:  # inside the sweep's row, not listed beside it
+        assert page.query_selector(f"tr[data-job='{kid['id']}']") is None
+    page.click(f"button[data-sweep='{parent['id']}']")
+    page.wait_for_selector("tr[data-child]")
+    rows = page.query_selector_all("tr[data-child]")
+    texts = [r.inner_text() for r in rows]
+    assert len(texts) == 2 and "0.1" in texts[0] and "0.01" in texts[1], texts
+    for text, kid in zip(texts, sorted(kids, key=lambda k: k["id"]), strict=True):
+        assert f"{kid['progress']['loss']:.4g}"[:4] in text, (text, kid["progress"])
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-sweep.png"), full_page=True)
