@@ -106,6 +106,11 @@ class Settings(BaseSettings):
         return self.home / "admin.token"
 
     @property
+    def logs_dir(self) -> Path:
+        """`torchjobs up`'s component logs (api.log, worker.log), unless run with --verbose."""
+        return self.home / "logs"
+
+    @property
     def runs_dir(self) -> Path:
         """Per-node working folders of running attempts; each is removed when its node ends."""
         return self.home / "runs"

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 
 from service.config import Settings
 
@@ -30,7 +31,15 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def configure_logging(settings: Settings) -> None:
+LINE = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(settings: Settings, log_file: Path | None = None) -> None:
+    """To stderr; with `log_file`, every line of the process (ours, uvicorn's, Python's
+    warnings) to that file instead, and only errors to the terminal (`torchjobs up`)."""
+    if log_file is not None:
+        _to_file(settings, log_file)
+        return
     handler = logging.StreamHandler(sys.stderr)
     ours = logging.getLogger("torchjobs")
     ours.setLevel(logging.INFO)
@@ -44,6 +53,23 @@ def configure_logging(settings: Settings) -> None:
         ours.propagate = True
         logging.captureWarnings(True)  # Python warnings become JSON lines too
         return
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter(LINE))
     ours.handlers[:] = [handler]
     ours.propagate = False
+
+
+def _to_file(settings: Settings, path: Path) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(JsonFormatter() if settings.log_json else logging.Formatter(LINE))
+    to_terminal = logging.StreamHandler(sys.stderr)
+    to_terminal.setLevel(logging.ERROR)
+    to_terminal.setFormatter(logging.Formatter(f"%(levelname)s %(name)s: %(message)s (more in {path})"))
+    root = logging.getLogger()
+    root.handlers[:] = [to_file, to_terminal]
+    root.setLevel(logging.WARNING)
+    ours = logging.getLogger("torchjobs")
+    ours.setLevel(logging.INFO)
+    ours.handlers[:] = []
+    ours.propagate = True
+    logging.captureWarnings(True)

@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from service.parent_death import dying_with_parent
 
@@ -28,8 +29,9 @@ HEALTHY_AFTER_S = 60.0  # a worker that lived this long starts the backoff over
 
 
 class LocalWorkerKeeper:
-    def __init__(self, cmd: Sequence[str], stop_wait_s: float) -> None:
-        self.cmd, self.stop_wait_s = list(cmd), stop_wait_s
+    def __init__(self, cmd: Sequence[str], stop_wait_s: float, log_file: Path | None = None) -> None:
+        """`log_file`: the worker's output is appended there, not to `up`'s terminal."""
+        self.cmd, self.stop_wait_s, self.log_file = list(cmd), stop_wait_s, log_file
         self._proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._started = threading.Event()
@@ -50,7 +52,7 @@ class LocalWorkerKeeper:
         backoff = FIRST_BACKOFF_S
         while True:
             started = time.monotonic()
-            self._proc = subprocess.Popen(dying_with_parent(self.cmd), env=os.environ.copy())
+            self._proc = self._spawn()
             self._started.set()
             while self._proc.poll() is None and not self._stopping.wait(0.2):
                 pass
@@ -70,6 +72,15 @@ class LocalWorkerKeeper:
             if self._stopping.wait(backoff):
                 return
             backoff = min(MAX_BACKOFF_S, backoff * 2)
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        if self.log_file is None:
+            return subprocess.Popen(dying_with_parent(self.cmd), env=os.environ.copy())
+        self.log_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(self.log_file, "ab") as out:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(
+                dying_with_parent(self.cmd), env=os.environ.copy(), stdout=out, stderr=subprocess.STDOUT
+            )
 
 
 def _stop_child(proc: subprocess.Popen[bytes], wait_s: float) -> None:

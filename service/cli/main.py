@@ -37,9 +37,12 @@ def up(
         int | None, typer.Option(help="GPU slots of the local worker (default: detected)")
     ] = None,
     accelerator: Annotated[str, typer.Option(help="auto | cuda | cpu")] = "auto",
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="the components' logs here, not in TORCHJOBS_HOME/logs")
+    ] = False,
 ) -> None:
     """Everything on one machine: API, scheduler, one local worker, SQLite, embedded broker."""
-    run_up(host, port, gpus, accelerator)
+    run_up(host, port, gpus, accelerator, verbose)
 
 
 @app.command()

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import socket
 import sys
+from pathlib import Path
 
 import typer
 import uvicorn
@@ -16,16 +17,20 @@ from service.config import Settings
 from service.migrate import schema_is_current, upgrade
 
 
-def _setup_logging(settings: Settings) -> None:
+def _setup_logging(settings: Settings, log_file: Path | None = None) -> None:
     from service.logs_setup import configure_logging
 
-    configure_logging(settings)
+    configure_logging(settings, log_file)
 
 
-def run_up(host: str, port: int, gpus: int | None, accelerator: str) -> None:
+def run_up(host: str, port: int, gpus: int | None, accelerator: str, verbose: bool = False) -> None:
+    """Everything on one machine. The terminal gets a few lines (where to connect, the token,
+    the worker, where the logs are) and errors; the components' logs go to
+    `$TORCHJOBS_HOME/logs`, unless `verbose`."""
     settings = Settings()
     settings.home.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database, tokens, checkpoints
-    _setup_logging(settings)
+    api_log = None if verbose else settings.logs_dir / "api.log"
+    _setup_logging(settings, api_log)
     upgrade(settings)
     read_or_create_admin_token(settings)
     cmd = [
@@ -42,11 +47,19 @@ def run_up(host: str, port: int, gpus: int | None, accelerator: str) -> None:
     ]
     if gpus is not None:
         cmd += ["--gpus", str(gpus)]
-    worker = LocalWorkerKeeper(cmd, settings.cancel_grace_s + 10).start()
+    worker_log = None if verbose else settings.logs_dir / "worker.log"
+    worker = LocalWorkerKeeper(cmd, settings.cancel_grace_s + 10, worker_log).start()
     token_where = "TORCHJOBS_ADMIN_TOKEN" if settings.admin_token else str(settings.admin_token_file)
-    announce = f"torchjobs is up at http://{host}:{port}  (admin token: {token_where})"
+    lines = [
+        f"torchjobs is up at http://{host}:{port}  (admin token: {token_where})",
+        f"  dashboard   http://{host}:{port}/",
+        f"  worker      local ({accelerator}, {'detected' if gpus is None else gpus} GPU slots)",
+    ]
+    if not verbose:
+        lines.append(f"  logs        {settings.logs_dir}/api.log, worker.log  (--verbose: here instead)")
+    lines.append("  Ctrl-C stops everything")
     try:
-        run_server(settings, host, port, scheduler=True, announce=announce)
+        run_server(settings, host, port, scheduler=True, announce="\n".join(lines), log_file=api_log)
     finally:
         worker.stop()
 
@@ -72,11 +85,16 @@ class AnnouncingServer(uvicorn.Server):
 
 
 def run_server(
-    settings: Settings, host: str, port: int, scheduler: bool, announce: str | None = None
+    settings: Settings,
+    host: str,
+    port: int,
+    scheduler: bool,
+    announce: str | None = None,
+    log_file: Path | None = None,
 ) -> None:
     from service.app import create_app
 
-    _setup_logging(settings)
+    _setup_logging(settings, log_file)
     require_current_schema(settings)
     app = create_app(settings, scheduler=scheduler)
     config = uvicorn.Config(
@@ -86,7 +104,7 @@ def run_server(
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
-        log_config=None if settings.log_json else uvicorn.config.LOGGING_CONFIG,
+        log_config=None if settings.log_json or log_file else uvicorn.config.LOGGING_CONFIG,
     )
     # uvicorn re-raises the Ctrl-C it has already handled; uvicorn.run swallows it the same way
     with contextlib.suppress(KeyboardInterrupt):

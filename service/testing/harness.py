@@ -115,7 +115,10 @@ class Stack:
 
     def start_server(self) -> None:
         if self.embedded:
-            self._spawn("up", ["up", "--port", str(self.port), "--gpus", "2", "--accelerator", "cpu"])
+            # --verbose: every component's log in up.log, where a failing test shows it
+            self._spawn(
+                "up", ["up", "--port", str(self.port), "--gpus", "2", "--accelerator", "cpu", "--verbose"]
+            )
         else:
             self._spawn("server", ["server", "--port", str(self.port)])
         wait_for(self._healthy, 60, "the API server")

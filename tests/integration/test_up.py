@@ -137,3 +137,35 @@ def _answers(url: str) -> bool:
         return httpx.get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_up_keeps_the_components_logs_out_of_the_terminal(tmp_path: Path) -> None:
+    """A few clean lines on the terminal; the API's and the worker's logs (Celery's banner
+    among them) in TORCHJOBS_HOME/logs, where the lines say they are."""
+    port = harness.free_port()
+    proc = subprocess.Popen(
+        harness.torchjobs_cmd("up", "--port", str(port), "--gpus", "1", "--accelerator", "cpu"),
+        env=harness.make_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    logs = tmp_path / "logs"
+    try:
+        harness.wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), 60, "the API")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=harness.auth()) as c:
+            harness.wait_for(lambda: c.get("/v1/workers").json()["items"], 60, "the local worker")
+        harness.wait_for(lambda: "ready" in (logs / "worker.log").read_text(), 30, "the worker's log")
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    lines = out.decode().splitlines()
+    assert lines[0].startswith(f"torchjobs is up at http://127.0.0.1:{port}"), lines
+    assert any(str(logs / "api.log") in line for line in lines), lines
+    assert len(lines) <= 6, lines
+    terminal = out.decode() + err.decode()
+    for noise in ("celery", "[tasks]", "INFO", "SecurityWarning"):
+        assert noise not in terminal, terminal
+    assert "torchjobs.run_node" in (logs / "worker.log").read_text()
+    assert "API up on sqlite" in (logs / "api.log").read_text()
