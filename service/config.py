@@ -20,6 +20,11 @@ class Settings(BaseSettings):
 
     home: Path = Field(default_factory=lambda: Path.home() / ".torchjobs")
     database_url: str | None = None
+    # Behind PgBouncer in transaction mode: no server-side prepared statements (a pooled
+    # server connection serves other clients between transactions), and LISTEN (the job-view
+    # cache's change feed) only on `database_direct_url`; without it that cache stays off.
+    database_pooled: bool = False
+    database_direct_url: str | None = None
     broker_url: str | None = None
     storage_url: str | None = None
     # fsspec options for the storage URL, as JSON in TORCHJOBS_STORAGE_OPTIONS, e.g.

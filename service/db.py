@@ -72,7 +72,12 @@ def make_engine(settings: Settings) -> Engine:
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
-    return create_engine(url, pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW, pool_pre_ping=True)
+    # Behind PgBouncer in transaction mode psycopg must not prepare statements: the next
+    # transaction may run on another server connection, which never saw them.
+    connect_args: dict[str, Any] = {"prepare_threshold": None} if settings.database_pooled else {}
+    return create_engine(
+        url, pool_size=POOL_SIZE, max_overflow=POOL_OVERFLOW, pool_pre_ping=True, connect_args=connect_args
+    )
 
 
 def unavailable_reason(exc: DBAPIError) -> str:

@@ -167,9 +167,17 @@ class ViewFeed:
             return  # configured off
         install_commit_invalidation(self.db.sessionmaker, self.cache)
         url = self.db.engine.url
-        if self.db.is_postgres:
-            dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
-            feed = PostgresViewFeed(dsn, self.cache)
+        settings = self.db.settings
+        if self.db.is_postgres and settings.database_pooled and not settings.database_direct_url:
+            log.warning(
+                "job-view cache off: LISTEN needs a session, and the database is pooled "
+                "(set TORCHJOBS_DATABASE_DIRECT_URL to a direct connection to turn it on)"
+            )
+        elif self.db.is_postgres:
+            dsn = settings.database_direct_url or url.set(drivername="postgresql").render_as_string(
+                hide_password=False
+            )
+            feed = PostgresViewFeed(dsn.replace("postgresql+psycopg://", "postgresql://", 1), self.cache)
             self._task = asyncio.create_task(feed.run(), name="torchjobs-view-feed")
         elif url.database and url.database != ":memory:":
             self._sqlite = SqliteDataVersion(url.database, self.cache)
