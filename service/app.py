@@ -46,6 +46,8 @@ from service.users.router import router as users_router
 from service.wakeups.message import is_redis
 from service.wakeups.publish import freed_signal_path
 from service.wakeups.scheduler import FreedGpuFileWatcher, FreedGpuListener
+from service.webhooks.dispatcher import WebhookDispatcher
+from service.webhooks.router import router as webhooks_router
 
 log = logging.getLogger("torchjobs.api")
 DATABASE_RETRY_AFTER_S = 2
@@ -69,12 +71,14 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
             db.engine.dialect.name,
             "on" if scheduler else "off",
         )
-        thread = listener = None
+        thread = listener = webhooks = None
         if scheduler:
             thread = SchedulerThread(db, settings, _celery_dispatcher(settings))
             thread.start()
             listener = _freed_gpu_wakeups(settings, thread.wake)
             listener.start()
+            webhooks = WebhookDispatcher(db, settings)  # contract §10: the outbox, sent
+            webhooks.start()
         app.state.scheduler = thread
         app.state.view_cache = ViewCache(settings.job_view_cache_ttl_s)
         view_feed = ViewFeed(db, app.state.view_cache)
@@ -88,9 +92,13 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
             await view_feed.stop()
             if listener is not None:
                 listener.stop()
+            if webhooks is not None:
+                webhooks.stop()
             if thread is not None:
                 thread.stop()
                 thread.join(timeout=5)
+            if webhooks is not None:  # sends under way are finished and recorded
+                webhooks.join(timeout=settings.webhook_timeout_s + 5)
             db.dispose()
 
     app = FastAPI(
@@ -126,6 +134,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         users_router,
         hosts_router,
         usage_router,
+        webhooks_router,
         metrics_router,
         dashboard_router,
     )

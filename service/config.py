@@ -89,6 +89,19 @@ class Settings(BaseSettings):
     # GET /v1/jobs/{id} from memory while a change feed runs (service.jobs.view_cache); 0: off
     job_view_cache_ttl_s: float = Field(5.0, ge=0)
 
+    # Webhooks (contract §10, service.webhooks): targets on loopback, link-local or private
+    # addresses are refused unless allowed; a delivery is retried, with exponential backoff
+    # from `webhook_backoff_initial_s` up to `webhook_backoff_max_s` between tries, until
+    # `webhook_retry_for_s` after its event (at least an hour), then given up.
+    webhook_allow_private: bool = False
+    webhook_retry_for_s: float = Field(86400.0, ge=3600)
+    webhook_backoff_initial_s: float = Field(1.0, gt=0)
+    webhook_backoff_max_s: float = Field(300.0, gt=0)
+    webhook_poll_s: float = Field(1.0, gt=0)  # the dispatcher's look for due deliveries
+    webhook_timeout_s: float = Field(10.0, gt=0)  # connect, send and answer, each
+    webhook_concurrency: int = Field(4, ge=1, le=64)  # (webhook, job) pairs sent at once per process
+    webhooks_per_user: int = Field(20, ge=0)
+
     @cached_property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{self.home / 'torchjobs.db'}"

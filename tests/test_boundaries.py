@@ -33,7 +33,8 @@ def loaded_after(code: str) -> list[str]:
             id="launcher-without-the-database",
         ),
         pytest.param(
-            "import service.client, service.client.commands, service.client.download",
+            "import service.client, service.client.commands, service.client.download\n"
+            "import service.client.admin_commands, service.client.webhook_commands",
             SERVER_STACK,
             ("service.client", "service.states", "service.config"),
             id="client-without-the-server",

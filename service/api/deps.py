@@ -22,9 +22,10 @@ from service.config import Settings
 from service.db import Database
 from service.errors import Forbidden, Unauthorized
 from service.jobs import service as jobs_service
-from service.models import Job, User
+from service.models import Job, User, Webhook
 from service.schemas import MAX_ID
 from service.storage import Storage
+from service.webhooks import service as webhooks_service
 
 bearer = HTTPBearer(auto_error=False, description="torchjobs bearer token")
 BearerCreds = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
@@ -32,6 +33,7 @@ BearerCreds = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 # (`Database.read_sessionmaker`: no write lock on SQLite, no BEGIN/COMMIT on PostgreSQL).
 READ_METHODS = frozenset({"GET", "HEAD"})
 JobIdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
+WebhookIdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
 
 
 async def presented_creds(creds: BearerCreds) -> HTTPAuthorizationCredentials:
@@ -121,6 +123,14 @@ def caller_job(
     return jobs_service.get_job(session, user, job_id)
 
 
+def caller_webhook(
+    session: Annotated[Session, Depends(get_session, scope="function")],
+    user: Annotated[User, Depends(current_user)],
+    webhook_id: WebhookIdPath,
+) -> Webhook:
+    return webhooks_service.get_webhook(session, user, webhook_id)
+
+
 # scope="function": the transaction commits when the handler returns, BEFORE the response is
 # sent (FastAPI's default runs yield-dependency exits after it). A client that got its 201
 # can read the job at once, and a commit that fails is a 5xx, never a 201 for nothing.
@@ -128,6 +138,7 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 UserDep = Annotated[User, Depends(current_user)]
 AdminDep = Annotated[User, Depends(admin_user)]
 JobDep = Annotated[Job, Depends(caller_job)]
+WebhookDep = Annotated[Webhook, Depends(caller_webhook)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DbDep = Annotated[Database, Depends(get_db)]
 StorageDep = Annotated[Storage, Depends(get_storage)]

@@ -8,7 +8,7 @@ import httpx
 import typer
 
 from service.cli.processes import run_db_upgrade, run_server, run_up, run_worker_cmd
-from service.client import admin_commands
+from service.client import admin_commands, webhook_commands
 from service.client import commands as client_cmds
 
 app = typer.Typer(
@@ -20,6 +20,7 @@ db_app = typer.Typer(help="Database commands.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 client_cmds.register(app)
 admin_commands.register(app)
+webhook_commands.register(app)
 
 
 @app.callback()

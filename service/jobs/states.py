@@ -29,6 +29,7 @@ from service.states import (
 )
 from service.usage.accounting import held_seconds
 from service.wakeups.message import mark_events, mark_freed
+from service.webhooks.outbox import enqueue as enqueue_webhooks
 
 QUEUED, SCHEDULED, RUNNING = JobState.QUEUED, JobState.SCHEDULED, JobState.RUNNING
 SUCCEEDED, FAILED, CANCELLING, CANCELLED = (
@@ -110,6 +111,7 @@ def _add_events(
     ]
     session.add_all(events)
     session.flush()
+    enqueue_webhooks(session, job_id, events)  # contract §10: the outbox, in this transaction
     mark_events(session, job_id)
     return events
 

@@ -5,6 +5,7 @@ from service.models.checkpoints import Checkpoint
 from service.models.code import CodeArchive
 from service.models.jobs import GpuAllocation, Job, JobAttempt, JobDependency, JobEvent, LogChunk, NodeRun
 from service.models.users import User
+from service.models.webhooks import Webhook, WebhookAttempt, WebhookDelivery
 from service.models.workers import Worker
 
 __all__ = [
@@ -20,6 +21,9 @@ __all__ = [
     "NodeRun",
     "UTCDateTime",
     "User",
+    "Webhook",
+    "WebhookAttempt",
+    "WebhookDelivery",
     "Worker",
     "utcnow",
 ]

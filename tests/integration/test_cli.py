@@ -133,3 +133,22 @@ def test_the_admins_user_commands_and_usage(embedded: Stack) -> None:
     assert cli(embedded, "users", "revoke", "carol").returncode == 0
     with embedded.client(token) as c:
         assert c.get("/v1/me").status_code == 401
+
+
+def test_the_webhook_commands(embedded: Stack) -> None:
+    """Contract §10's webhooks from the CLI: add (a public address; loopback is refused
+    without the setting), ls, deliveries, rm."""
+    refused = cli(embedded, "webhooks", "add", "http://127.0.0.1:9/hook")
+    assert refused.returncode != 0 and "loopback" in refused.stderr, refused.stderr
+    added = cli(
+        embedded, "webhooks", "add", "http://93.184.216.34/hook", "--events", "state,checkpoint", "-o", "json"
+    )
+    assert added.returncode == 0, added.stderr
+    hook = json.loads(added.stdout)
+    assert hook["events"] == ["state", "checkpoint"] and len(hook["secret"]) >= 16
+    listed = cli(embedded, "webhooks", "ls", "-o", "json")
+    assert any(h["id"] == hook["id"] and "secret" not in h for h in json.loads(listed.stdout)["items"])
+    assert cli(embedded, "webhooks", "deliveries", str(hook["id"])).returncode == 0
+    assert cli(embedded, "webhooks", "rm", str(hook["id"])).returncode == 0
+    gone = cli(embedded, "webhooks", "rm", str(hook["id"]))
+    assert gone.returncode != 0 and "not found" in gone.stderr, gone.stderr

@@ -98,12 +98,13 @@ def test_a_grid_makes_one_parent_and_a_child_per_point(api: TestClient) -> None:
 
 
 def test_a_bad_point_is_a_422_naming_it_and_nothing_is_created(api: TestClient) -> None:
+    at = ["body", "sweep", "grid"]
     cases = [
-        ({"grid": {"hyperparameters.lr": [0.1, 20.0]}}, ["body", "sweep", "grid", "hyperparameters.lr"], "20"),
-        ({"grid": {"gpus_per_node": [1, 2]}}, ["body", "sweep", "grid", "gpus_per_node"], "single"),
-        ({"grid": {"hyperparameters.colour": ["red"]}}, ["body", "sweep", "grid", "hyperparameters.colour"], ""),
-        ({"grid": {"mode.inner": [1]}}, ["body", "sweep", "grid", "mode.inner"], "not an object"),
-        ({"grid": {"nodes": [1, 99]}}, ["body", "sweep", "grid", "nodes"], ""),
+        ({"grid": {"hyperparameters.lr": [0.1, 20.0]}}, [*at, "hyperparameters.lr"], "20"),
+        ({"grid": {"gpus_per_node": [1, 2]}}, [*at, "gpus_per_node"], "single"),
+        ({"grid": {"hyperparameters.colour": ["red"]}}, [*at, "hyperparameters.colour"], ""),
+        ({"grid": {"mode.inner": [1]}}, [*at, "mode.inner"], "not an object"),
+        ({"grid": {"nodes": [1, 99]}}, [*at, "nodes"], ""),
         ({"grid": {"hyperparameters.lr": []}}, None, ""),
         ({"grid": {}}, None, ""),
         ({"grid": {"sweep.max_parallel": [1]}}, None, "its own sweep"),
@@ -218,7 +219,8 @@ def test_children_of_another_users_sweep_are_not_listed(api: TestClient) -> None
 
 def test_a_sweep_may_wait_for_a_job_and_a_job_for_a_sweep(api: TestClient, settings: Settings) -> None:
     _, first = submit(api)
-    _, parent = submit(api, sweep={"grid": {"hyperparameters.lr": [0.1, 0.01]}}, depends_on=[{"job_id": first["id"]}])
+    grid = {"hyperparameters.lr": [0.1, 0.01]}
+    _, parent = submit(api, sweep={"grid": grid}, depends_on=[{"job_id": first["id"]}])
     _, after = submit(api, depends_on=[{"job_id": parent["id"]}])
     schedule(settings)
     kids = children(api, parent["id"])
