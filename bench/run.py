@@ -17,6 +17,7 @@ in this order:
 | api | bench/api.py: GET/POST req/s and latency with wrk; list on 100k jobs | bare FastAPI; first page |
 | scheduler | bench/scheduler.py: placement rate; freed GPU -> scheduled | plan() in memory |
 | sweep | bench/sweep.py: a 1,000-point sweep's POST; the pass with it queued | 1,000 POSTs; plain queue |
+| scale | bench/scale.py: simulated hosts to 1,000; writes docs/scaling.md | none (a curve) |
 | events | bench/event_stream.py: SSE lag at 1/50/200 streams; ingestion writes | 1 stream; reports/s |
 | checkpoint | bench/checkpoint_download.py: 1 GiB download, RSS | fastest plain server |
 
@@ -240,6 +241,11 @@ BENCHMARKS = [
     Bench("api", [PY, "-m", "bench.api"], [PY, "-m", "bench.api", "--smoke"]),
     Bench("scheduler", [PY, "-m", "bench.scheduler"], [PY, "-m", "bench.scheduler", "--smoke"]),
     Bench("sweep", [PY, "-m", "bench.sweep"], [PY, "-m", "bench.sweep", "--smoke"]),
+    Bench(
+        "scale",
+        [PY, "-m", "bench.scale", "--doc", "docs/scaling.md"],
+        [PY, "-m", "bench.scale", "--smoke"],
+    ),
     Bench("events", [PY, "bench/event_stream.py"], [PY, "bench/event_stream.py", "--smoke"], parse_events),
     Bench(
         "checkpoint",

@@ -74,6 +74,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         thread = listener = webhooks = None
         if scheduler:
             thread = SchedulerThread(db, settings, _celery_dispatcher(settings))
+            thread.observe_pass = app.state.metrics.scheduler_pass.observe
             thread.start()
             listener = _freed_gpu_wakeups(settings, thread.wake)
             listener.start()

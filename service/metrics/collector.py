@@ -27,6 +27,7 @@ from service.usage.accounting import totals_by_owner
 
 # Seconds a job waits in the queue: from "a free slot was there" to "a cluster was busy for hours".
 QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
+PASS_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -166,6 +167,12 @@ class AppMetrics:
             "HTTP request latency by route template (to the response's first byte for event streams).",
             ["method", "route", "status"],
             buckets=HTTP_BUCKETS,
+            registry=self.registry,
+        )
+        self.scheduler_pass = Histogram(
+            "torchjobs_scheduler_pass_seconds",
+            "One scheduling pass of this process: reap, place, commit, and the sweeps' bookkeeping.",
+            buckets=PASS_BUCKETS,
             registry=self.registry,
         )
         self.registry.register(DatabaseCollector(database))

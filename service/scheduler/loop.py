@@ -335,6 +335,7 @@ class SchedulerThread(threading.Thread):
         self.outages = DatabaseOutages(settings.heartbeat_timeout_s)
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self.observe_pass: Callable[[float], None] = lambda _seconds: None  # the app's histogram
 
     def wake(self) -> None:
         self._wake.set()
@@ -347,7 +348,9 @@ class SchedulerThread(threading.Thread):
         while not self._stopping.is_set():
             pause = self.settings.scheduler_interval_s
             try:
+                started = time.perf_counter()
                 run_pass(self.db, self.settings, self.dispatch, self.throttle, self.outages)
+                self.observe_pass(time.perf_counter() - started)
                 if not has_waiting_work(self.db):
                     pause = max(pause, self.settings.scheduler_idle_interval_s)
             except OperationalError as exc:  # the database away (has_waiting_work; run_pass catches its own)

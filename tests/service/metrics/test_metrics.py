@@ -7,6 +7,7 @@ the lifecycle functions a worker calls.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,3 +167,16 @@ def test_queue_wait_histogram_is_cumulative() -> None:
     assert samples[("torchjobs_job_queue_wait_seconds_bucket", "+Inf")] == 5
     assert samples[("torchjobs_job_queue_wait_seconds_count", None)] == 5
     assert samples[("torchjobs_job_queue_wait_seconds_sum", None)] == 0.5 + 1.0 + 7.0 + 10**6
+
+
+def test_the_scheduler_thread_times_its_passes(settings: Settings) -> None:
+    """`torchjobs_scheduler_pass_seconds`: what bench/scale.py reads of the server's scheduler."""
+    with TestClient(create_app(settings, scheduler=True)) as client:
+        submit(client, 1)  # wakes the scheduler
+        counted = lambda: scrape(client).get("torchjobs_scheduler_pass_seconds_count", {}).get((), 0)  # noqa: E731
+        deadline = time.monotonic() + 30
+        while counted() < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        samples = scrape(client)
+        assert samples["torchjobs_scheduler_pass_seconds_count"][()] >= 2
+        assert samples["torchjobs_scheduler_pass_seconds_sum"][()] > 0
