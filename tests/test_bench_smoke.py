@@ -24,6 +24,7 @@ BENCHMARKS = (
     "api",
     "scheduler",
     "sweep",
+    "scale",
     "events",
     "checkpoint",
 )
