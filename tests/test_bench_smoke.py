@@ -34,7 +34,7 @@ def _stat(path: Path) -> tuple[int, int] | None:
     return (path.stat().st_mtime_ns, path.stat().st_size) if path.exists() else None
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(840)
 def test_bench_run_smoke() -> None:
     (SMOKE / "benchmarks.md").unlink(missing_ok=True)
     doc_before = _stat(DOC)
@@ -43,7 +43,7 @@ def test_bench_run_smoke() -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=540,
+        timeout=780,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
 
