@@ -140,6 +140,7 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         devices=device_files(device_ids, ctx.host_gpus) if cuda_sandbox else (),
         code_dir=code_dir,
         site_first=_environment(ctx, key, claimed.pip, run_dir) if claimed.pip else None,
+        worker_slots=ctx.gpus,  # a CPU rank takes its slots' share of the cores (runtime/cpus.py)
     )
 
 

@@ -59,6 +59,8 @@ class NodeLaunch:
     device_ids: tuple[str, ...] = ()  # the physical GPUs of `gpus` (devices.slot_ids); default the same
     code_dir: Path | None = None  # the job's unpacked code (contract §6), copied into the node's workdir
     site_first: str | None = None  # the job's built environment.pip, first on the ranks' PYTHONPATH
+    # how many slots the worker has (CPU: its cores are shared out among them); 0: not told
+    worker_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("single", "dp", "ddp"):
@@ -67,6 +69,8 @@ class NodeLaunch:
             raise ValueError("node_rank outside [0, nnodes)")
         if not self.gpus:
             raise ValueError("a node needs at least one GPU slot")
+        if self.worker_slots and max(self.gpus) >= self.worker_slots:
+            raise ValueError(f"slots {self.gpus} outside the worker's {self.worker_slots}")
         if self.entrypoint.get("kind") == "script" and not (self.script_path or self.code_dir):
             raise ValueError("a script entrypoint needs its resolved path, or the job's code")
 
@@ -286,9 +290,11 @@ def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
         )
     if launch.accelerator == "cuda":  # the worker's own devices, never bare slot numbers
         env["CUDA_VISIBLE_DEVICES"] = ",".join(launch.device_ids or [str(g) for g in launch.gpus])
-    else:
+    else:  # the ranks take their slots' share of the worker's cores (workers/runtime/cpus.py)
         env["CUDA_VISIBLE_DEVICES"] = ""
         env["TORCHJOBS_SLOTS"] = ",".join(str(g) for g in launch.gpus)
+        if launch.worker_slots:
+            env["TORCHJOBS_WORKER_SLOTS"] = str(launch.worker_slots)
     return env
 
 

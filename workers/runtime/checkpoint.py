@@ -6,7 +6,9 @@ of the file so that the platform can validate uploads with it in a throwaway sub
 
     python -m workers.runtime.checkpoint PATH   # prints a JSON summary, or exits 2 with the reason
 
-Accepted layouts (a `module.` prefix on weight names, from DataParallel or DDP, is dropped):
+Accepted layouts (weight names are returned as stored; `fit_state_dict` drops the prefixes
+that wrappers add, `module.` from DataParallel or DDP and `_orig_mod.` from torch.compile,
+where the model to load into does not have them itself):
 
     {"state_dict": {"net": weights}, "optimizer": opt, "epoch", "step", "meta"}   torchjobs
     {"state_dict": {"net": weights}, "optimizer": opt}                            seed, single GPU
@@ -23,13 +25,15 @@ import pickle
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 from workers.runtime.errors import CheckpointError
 
-MODULE_PREFIX = "module."
+# What wrappers put in front of the wrapped model's names: DataParallel and DDP, torch.compile.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def load_checkpoint(
@@ -91,15 +95,46 @@ def normalize_checkpoint(
     )
 
 
-def strip_module_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Weight names as the unwrapped model has them (every leading 'module.' removed)."""
-    out: dict[str, Any] = {}
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside DataParallel, DDP and torch.compile wrappers, told apart by type.
+
+    Saving this model's own state dict is what keeps wrapper prefixes out of checkpoints; taking
+    names apart instead would also cut a real submodule called `module` (an EMA copy, a wrapper
+    of the user's own) out of its names.
+    """
+    while True:
+        if isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif _is_compiled(model):
+            model = cast(nn.Module, model._orig_mod)
+        else:
+            return model
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """torch.compile's OptimizedModule, recognised without importing torch._dynamo (slow)."""
+    return type(model).__name__ == "OptimizedModule" and isinstance(
+        model._modules.get("_orig_mod"), nn.Module
+    )
+
+
+def fit_state_dict(state: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """`state` with the names `model` (unwrapped) has: a leading wrapper prefix is dropped from a
+    name, again and again, only while the model has no such name, so a submodule that really is
+    called `module` keeps its names, and a seed DDP save (`module.` on everything) still loads.
+    Names the model does not know are left for `load_state_dict` to report."""
+    wanted = set(unwrap_model(model).state_dict())
+    out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         name = key
-        while name.startswith(MODULE_PREFIX):
-            name = name[len(MODULE_PREFIX) :]
+        while name not in wanted and name.startswith(WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        name = name if name in wanted else key
         if name in out:
-            raise CheckpointError(f"weight {name!r} appears both with and without a 'module.' prefix")
+            raise CheckpointError(
+                f"weight {name!r} appears twice in the checkpoint, with and without a wrapper prefix "
+                f"({', '.join(repr(p) for p in WRAPPER_PREFIXES)})"
+            )
         out[name] = value
     return out
 
@@ -115,7 +150,7 @@ def _weights(state: Any, source: str) -> dict[str, torch.Tensor]:
             f"{source}: not a state dict of named tensors (offending keys: {bad[:5]}); expected "
             "{'state_dict': {'net': ...}, 'optimizer': ...} or a bare state dict"
         )
-    return strip_module_prefix(state)
+    return dict(state)
 
 
 def _optimizer(opt: Any, source: str) -> dict[str, Any] | None:
@@ -145,9 +180,10 @@ def build_checkpoint(
     meta: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The torchjobs layout, every tensor on the CPU: a checkpoint written on GPUs must still load
-    with a bare `torch.load(path, weights_only=True)` on a machine without one."""
+    with a bare `torch.load(path, weights_only=True)` on a machine without one. `net_state` is
+    the unwrapped model's (`unwrap_model`), so it holds no wrapper prefix to remove."""
     return {
-        "state_dict": {"net": to_cpu(strip_module_prefix(net_state))},
+        "state_dict": {"net": to_cpu(dict(net_state))},
         "optimizer": to_cpu(dict(optimizer_state)),
         "epoch": int(epoch),
         "step": int(step),

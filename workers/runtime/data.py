@@ -4,12 +4,22 @@ Every mode draws its order from `DistributedSampler` (one replica in single and 
 shuffles with a generator seeded `seed + epoch`. Epoch e's order therefore never depends on what
 ran before, which is what lets a resumed job see exactly the batches the uninterrupted job would
 have; a mid-epoch resume skips the batches already trained on.
+
+Random augmentation in a dataset's `__getitem__` follows the same rule. With `num_workers: 0` it
+draws from the rank's own generators (seeded `seed + rank`, saved in the checkpoint). Loader
+workers are other processes, whose streams a checkpoint cannot hold, and which DataLoader seeds
+from one generator: with the same seed on every rank, worker k applied the same augmentation on
+every rank, and (persistent workers) resumed streams restarted where epoch 1's began. So each
+batch a worker fetches is drawn with torch, `random` and numpy seeded from (seed, rank, epoch,
+batch): different on every rank and in every epoch, and the same after a resume, mid-epoch too,
+whichever worker fetches it and however many there are.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import random
 import signal
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
@@ -67,6 +77,22 @@ def builtin_datasets(name: str, *, synthetic_size: int) -> tuple[Dataset, Datase
     return TensorDataset(x_tr, y_tr), TensorDataset(x_va, y_va)
 
 
+def stream_seed(*key: int) -> int:
+    """A 64-bit seed for the random stream named by `key` (seed, rank, epoch, batch, ...): keys
+    that differ anywhere give unrelated streams, which `seed + rank + epoch` would not."""
+    return int(np.random.SeedSequence(list(key)).generate_state(1, dtype=np.uint64)[0])
+
+
+class SeededBatch(list[int]):
+    """A batch's sample indices plus its place, (epoch, batch number in the epoch), from which a
+    loader worker seeds the batch's augmentation (see `PerBatchSeeds`). Picklable, so it reaches
+    the worker through the DataLoader's index queue with its place."""
+
+    def __init__(self, indices: list[int], place: tuple[int, int]) -> None:
+        super().__init__(indices)
+        self.place = place
+
+
 class EpochBatchSampler(BatchSampler):
     """Full batches of this rank's shard in epoch order, optionally skipping the first few.
 
@@ -93,6 +119,7 @@ class EpochBatchSampler(BatchSampler):
             drop_last=True,
         )
         super().__init__(sampler, batch_size, drop_last=True)
+        self._epoch = 0
         self._skip = 0
         self._record = record
         self.handed_out: list[list[int]] = []
@@ -105,11 +132,14 @@ class EpochBatchSampler(BatchSampler):
         if not 0 <= skip_batches <= self.batches_per_epoch:
             raise ValueError(f"cannot skip {skip_batches} of {self.batches_per_epoch} batches")
         cast(DistributedSampler[int], self.sampler).set_epoch(epoch)
+        self._epoch = epoch
         self._skip = skip_batches
         self.handed_out = []
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in itertools.islice(super().__iter__(), self._skip, None):
+        batches = itertools.islice(super().__iter__(), self._skip, None)
+        for number, indices in enumerate(batches, start=self._skip):
+            batch = SeededBatch(indices, (self._epoch, number))
             if self._record:
                 self.handed_out.append(batch)
             yield batch
@@ -130,6 +160,41 @@ class LoaderOptions:
     num_workers: int
     pin_memory: bool
     seed: int
+    rank: int = 0
+
+    def generator(self) -> torch.Generator:
+        """The loader's own generator (its workers' base seed), distinct per rank."""
+        return torch.Generator().manual_seed(stream_seed(self.seed, self.rank) & (2**63 - 1))
+
+
+class PerBatchSeeds(Dataset):
+    """A map-style dataset whose batches, fetched in a loader worker, draw their randomness from
+    generators seeded by the batch's place (see the module docstring). In the rank's own process
+    (`num_workers: 0`) it only fetches: the rank's generators are already its own and resumed."""
+
+    def __init__(self, dataset: Dataset, *, seed: int, rank: int) -> None:
+        self.dataset, self.seed, self.rank = dataset, seed, rank
+
+    def __len__(self) -> int:
+        return len(cast(Sized, self.dataset))
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        place = getattr(indices, "place", None)
+        if place is not None and torch.utils.data.get_worker_info() is not None:
+            _seed_this_process(stream_seed(self.seed, self.rank, *place))
+        inner = getattr(self.dataset, "__getitems__", None)
+        if inner is not None:
+            return inner(list(indices))
+        return [self.dataset[i] for i in indices]
+
+
+def _seed_this_process(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 class BatchedTensorDataset(TensorDataset):
@@ -152,10 +217,14 @@ def _already_batched(batch: Any) -> Any:
 
 def train_loader(dataset: Dataset, batch_sampler: EpochBatchSampler, opts: LoaderOptions) -> DataLoader:
     """The training loader; its own generator keeps loader bookkeeping off the global RNG.
-    In-memory tensor data sets are gathered a batch at a time (BatchedTensorDataset)."""
-    batched = isinstance(dataset, TensorDataset)
-    if isinstance(dataset, TensorDataset):
-        dataset = BatchedTensorDataset(*dataset.tensors)
+    Plain in-memory tensor data sets (no `__getitem__` of their own, so nothing random) are
+    gathered a batch at a time (BatchedTensorDataset); any other data set is fetched through
+    `PerBatchSeeds`."""
+    batched = type(dataset) is TensorDataset
+    if batched:
+        dataset = BatchedTensorDataset(*cast(TensorDataset, dataset).tensors)
+    else:
+        dataset = PerBatchSeeds(dataset, seed=opts.seed, rank=opts.rank)
     return DataLoader(
         dataset,
         batch_sampler=batch_sampler,
@@ -164,7 +233,7 @@ def train_loader(dataset: Dataset, batch_sampler: EpochBatchSampler, opts: Loade
         pin_memory=opts.pin_memory,
         persistent_workers=opts.num_workers > 0,
         worker_init_fn=_ignore_sigterm,
-        generator=torch.Generator().manual_seed(opts.seed),
+        generator=opts.generator(),
     )
 
 
@@ -181,5 +250,5 @@ def val_loader(
         pin_memory=opts.pin_memory,
         persistent_workers=opts.num_workers > 0,
         worker_init_fn=_ignore_sigterm,
-        generator=torch.Generator().manual_seed(opts.seed),
+        generator=opts.generator(),
     )

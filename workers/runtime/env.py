@@ -38,6 +38,10 @@ class RuntimeEnv:
     preflight_timeout_s: float = 60.0
     # torchrun (its elastic agent) started this process: TORCHELASTIC_RUN_ID is set.
     under_torchrun: bool = False
+    # CPU workers: this node's slots of the worker (TORCHJOBS_SLOTS) and how many it has in all
+    # (TORCHJOBS_WORKER_SLOTS); a rank takes its slots' share of the cores (see cpus.py).
+    slots: tuple[int, ...] | None = None
+    worker_slots: int | None = None
     # Test-only: when set, each rank dumps the sample indices it trained on and its BatchNorm
     # buffers after every epoch (see workers.runtime.debug).
     debug_dump_dir: Path | None = None
@@ -51,6 +55,10 @@ class RuntimeEnv:
             )
         if self.accelerator is not None and self.accelerator not in ACCELERATORS:
             raise ConfigError(f"TORCHJOBS_ACCELERATOR must be cpu or cuda, not {self.accelerator!r}")
+        if self.slots is not None and (not self.slots or min(self.slots) < 0):
+            raise ConfigError(f"TORCHJOBS_SLOTS must list slot numbers, not {self.slots!r}")
+        if self.worker_slots is not None and self.worker_slots < 1:
+            raise ConfigError(f"TORCHJOBS_WORKER_SLOTS must be at least 1, not {self.worker_slots}")
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> RuntimeEnv:
@@ -85,6 +93,15 @@ class RuntimeEnv:
             value = text(name)
             return Path(value) if value else None
 
+        def numbers(name: str) -> tuple[int, ...] | None:
+            value = text(name)
+            if value is None:
+                return None
+            try:
+                return tuple(int(part) for part in value.split(","))
+            except ValueError:
+                raise ConfigError(f"{name} must be comma-separated integers, not {value!r}") from None
+
         world_size = integer("WORLD_SIZE") or 1
         return cls(
             rank=integer("RANK") or 0,
@@ -102,6 +119,8 @@ class RuntimeEnv:
             node_rank=integer("GROUP_RANK"),
             preflight_timeout_s=seconds("TORCHJOBS_PREFLIGHT_TIMEOUT_S", 60.0),
             debug_dump_dir=path("TORCHJOBS_DEBUG_DUMP_DIR"),
+            slots=numbers("TORCHJOBS_SLOTS"),
+            worker_slots=integer("TORCHJOBS_WORKER_SLOTS"),
             under_torchrun=text("TORCHELASTIC_RUN_ID") is not None,
         )
 

@@ -11,7 +11,12 @@ import torch
 
 
 def capture_rng(*, cuda: bool) -> dict[str, Any]:
-    """This process's Python, numpy, torch (and current CUDA device) generator states."""
+    """This process's Python, numpy, torch and CUDA generator states.
+
+    CUDA keeps one generator per device, and DataParallel's replica i draws (dropout, say) from
+    device i's: so every visible device's state is saved (`cuda_all`), besides the current
+    one's (`cuda`, what checkpoints held before, and the fallback on another device count).
+    """
     py_version, py_state, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     state: dict[str, Any] = {
@@ -27,11 +32,14 @@ def capture_rng(*, cuda: bool) -> dict[str, Any]:
     }
     if cuda:
         state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_all"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Inverse of `capture_rng`; CUDA state is restored only when both sides have it."""
+    """Inverse of `capture_rng`. CUDA state is restored only where this process has CUDA (a GPU
+    checkpoint resumes on the CPU), every device's when the device count is the saved one, else
+    the current device's."""
     random.setstate((state["python_version"], tuple(state["python_state"].tolist()), state["python_gauss"]))
     np.random.set_state(
         (
@@ -43,5 +51,10 @@ def restore_rng(state: dict[str, Any]) -> None:
         )
     )
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if not torch.cuda.is_available():
+        return
+    every = state.get("cuda_all")
+    if isinstance(every, list | tuple) and len(every) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(list(every))
+    elif "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])

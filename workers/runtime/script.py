@@ -1,8 +1,9 @@
 """`python -m workers.runtime.script PATH [ARGS...]`: what torchrun runs for script jobs.
 
-It runs the pre-flight (preflight.py) across every rank when there is more than one, then the
-user's file as `__main__`, with `sys.argv` and `sys.path[0]` as `python PATH ARGS` would set
-them: the script is unchanged and sees the same torchrun environment. Its exit (a return, an
+A CPU rank first takes its slots' share of the worker's cores (cpus.py). It runs the pre-flight
+(preflight.py) across every rank when there is more than one, then the user's file as
+`__main__`, with `sys.argv` and `sys.path[0]` as `python PATH ARGS` would set them: the script
+is unchanged and sees the same torchrun environment. Its exit (a return, an
 exception, `sys.exit`) is its own; `@record` gives a failed pre-flight its place in torchrun's
 error file, as for the builtin trainer.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from workers.runtime.cpus import describe, use_slot_cpus
 from workers.runtime.env import runtime_env
 from workers.runtime.preflight import run_preflight
 from workers.runtime.stacks import allow_stack_dumps
@@ -32,6 +34,10 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m workers.runtime.script PATH [ARGS...]")
     path = Path(argv[0])
     allow_stack_dumps()  # a silent job's stack, when py-spy cannot attach (contract §8)
+    env = runtime_env()
+    cpus = use_slot_cpus(env)  # a CPU rank's share of the worker's cores, before the script runs
+    if cpus is not None:
+        print(f"[torchjobs rank {env.rank}] {describe(cpus)}", file=sys.stderr, flush=True)
     preflight()
     sys.argv = [str(path), *argv[1:]]
     sys.path[0] = str(path.resolve().parent)

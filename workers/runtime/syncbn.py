@@ -4,14 +4,28 @@ Two cases, both computing batch statistics over the *global* batch so that N sma
 batches normalise exactly like one big one:
 
 * `DistributedBatchNorm` — DDP on CPU. `nn.SyncBatchNorm` refuses CPU modules (its kernels are
-  CUDA-only), so this autograd.Function all-reduces the per-channel sum, sum of squares and count
-  in forward, and the two gradient sums in backward. On CUDA the trainer uses the native one.
+  CUDA-only), so this autograd.Function all-gathers every rank's per-channel count, mean and M2
+  in forward, and all-reduces the two gradient sums in backward. On CUDA the trainer uses the
+  native one.
 * `ReplicaSyncBatchNorm` + `DataParallelWithSyncBN` — DataParallel, which the seed converts with
   `convert_model`. Replicas run in threads of one process, so torch.distributed cannot help; the
-  replicas of one layer meet in a per-forward `_ReplicaSync`, where replica 0 sums everyone's
+  replicas of one layer meet in a per-forward `_ReplicaSync`, where replica 0 merges everyone's
   statistics. The exchange is built from differentiable tensor ops, so autograd carries the
   gradient back across replicas by itself, with no barrier in backward (which on CPU, where the
   whole backward runs on one thread, would deadlock).
+
+Statistics are exchanged as (count, mean, M2) per replica, never as sums of x and x²: with
+features far from zero relative to their spread (a mean of 1e3 and a std of 0.01),
+E[x²] - E[x]² cancels every significant digit of float32 and the layer normalised by a variance
+off by orders of magnitude. Each replica computes its moments about one of its own values (the
+shifted-data algorithm: the subtraction is exact near the mean), the replicas' moments are
+merged in float64 with Chan's parallel formula (`merge_moments`, the combination
+`batch_norm_gather_stats_with_counts` makes), and the input is centred on the mean split into
+its float32 value and the rest, so that the rounding of a mean of 1e3 (3e-5, times invstd) does
+not reach the output either. Both layers share `_local_moments`, `merge_moments` and
+`_normalize`; the DataParallel one cannot run on this project's CPU machines inside real
+DataParallel (that needs several GPUs), but its arithmetic and its exchange run in the CPU tests
+with replicas in threads, as DataParallel runs them.
 
 Both keep BatchNorm's parameter and buffer names, so state dicts are interchangeable with the
 plain model's, and both update running statistics like native BN (unbiased variance over the
@@ -31,6 +45,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 REPLICA_TIMEOUT_S = 300.0  # how long replicas wait for a sibling that failed before giving up
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
@@ -41,23 +56,73 @@ def _channel_view(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return t.view(1, -1, *([1] * (x.dim() - 2)))
 
 
-def _local_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per-channel sum and sum of squares (in float32 at least) and the element count per channel."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+def _local_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(count, mean, M2) per channel of this replica's batch, mean and M2 in float64.
+
+    The sums are taken of `x - shift`, shift being the channel's first value (the shifted-data
+    algorithm; a constant to autograd): that subtraction is exact for values near the mean, so
+    the deviations keep their digits, and sum d² - n mean_d² loses only as many as the shift
+    lies standard deviations from the mean. (`torch.var_mean` would do as well, but over dims
+    (0, 2, ...) on CPU it costs five times these passes.) Differentiable, for the DataParallel
+    exchange.
+    """
+    channels = x.size(1)
+    count = x.numel() // channels if channels else 0
+    if count == 0:
+        zeros = x.new_zeros(channels, dtype=torch.float64)
+        return 0, zeros, zeros
+    xf = x.float() if x.dtype in _LOW_PRECISION else x
     dims = _reduce_dims(x)
-    return xf.sum(dims), (xf * xf).sum(dims), x.numel() // x.size(1)
+    first: tuple[int | slice, ...] = (0, slice(None), *([0] * (x.dim() - 2)))
+    shift = xf.detach()[first]
+    d = xf - _channel_view(shift, xf)
+    sums = torch.stack([d.sum(dims), (d * d).sum(dims)]).double()
+    mean_d = sums[0] / count
+    m2 = (sums[1] - count * mean_d * mean_d).clamp(min=0.0)
+    return count, shift.double() + mean_d, m2
+
+
+def merge_moments(
+    counts: torch.Tensor, means: torch.Tensor, m2s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total count, mean, biased variance) of the union of R replicas' batches.
+
+    `counts` is (R,), `means` and `m2s` are (R, C), all float64. Chan's parallel formula, folded
+    over every replica at once: M2 = sum M2_i + sum n_i (mean_i - mean)^2, which adds only
+    non-negative terms (E[x²] - E[x]² subtracts two nearly equal ones).
+    """
+    total = counts.sum()
+    mean = (counts @ means) / total
+    m2 = m2s.sum(0) + counts @ (means - mean).square()
+    return total, mean, m2 / total
+
+
+def _split_mean(mean: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 mean as (its value in `dtype`, the float64 remainder)."""
+    head = mean.to(dtype)
+    return head, mean - head.double()
 
 
 def _normalize(
     x: torch.Tensor,
     mean: torch.Tensor,
-    invstd: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    scale = invstd if weight is None else invstd * weight
-    out = (x - _channel_view(mean, x)) * _channel_view(scale, x)
-    return out if bias is None else out + _channel_view(bias, x)
+    """(x - mean) * invstd * weight + bias for float64 statistics; the part of the mean that x's
+    dtype cannot hold is folded into the per-channel shift, which costs no extra pass."""
+    scale = torch.rsqrt(var + eps)
+    if weight is not None:
+        scale = scale * weight.double()
+    head, rest = _split_mean(mean, x.dtype)
+    shift = -rest * scale if bias is None else bias.double() - rest * scale
+    centred = x - _channel_view(head, x)  # exact near the mean
+    scale, shift = _channel_view(scale.to(x.dtype), x), _channel_view(shift.to(x.dtype), x)
+    if torch.is_grad_enabled():  # the DataParallel exchange: autograd needs `centred` intact
+        return centred * scale + shift
+    return centred.mul_(scale).add_(shift)
 
 
 class _SyncedBatchNormBase(_BatchNorm):
@@ -98,53 +163,60 @@ class _DistributedBatchNormFn(torch.autograd.Function):
         eps: float,
         group: Any,
     ) -> tuple[torch.Tensor, ...]:
-        s, ss, count = _local_stats(x)
+        count, mean, m2 = _local_moments(x)
         channels = x.size(1)
-        stats = torch.cat([s, ss, s.new_tensor([float(count)])])
-        dist.all_reduce(stats, group=group)
-        total = stats[2 * channels]
-        mean = stats[:channels] / total
-        var = (stats[channels : 2 * channels] / total - mean * mean).clamp_(min=0)
+        local = torch.cat([mean.new_tensor([float(count)]), mean, m2])
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        stats = torch.stack(gathered)
+        total, mean, var = merge_moments(stats[:, 0], stats[:, 1 : 1 + channels], stats[:, 1 + channels :])
         invstd = torch.rsqrt(var + eps)
         ctx.save_for_backward(x, weight, mean, invstd, total)
         ctx.group = group
         ctx.mark_non_differentiable(mean, var, total)
-        out = _normalize(x, mean.to(x.dtype), invstd.to(x.dtype), weight, bias)
-        return out, mean, var, total
+        return _normalize(x, mean, var, eps, weight, bias), mean, var, total
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
         x, weight, mean, invstd, total = ctx.saved_tensors
         dims = _reduce_dims(x)
-        xmu = x - _channel_view(mean, x)
+        xf = x.float() if x.dtype in _LOW_PRECISION else x
+        # x - mean = (x - head) - rest: the first part is exact, the second a per-channel constant
+        head, rest = _split_mean(mean, xf.dtype)
+        x_head = xf - _channel_view(head, xf)
         sum_dy = grad_out.sum(dims)
-        sum_dy_xmu = (grad_out * xmu).sum(dims)
-        grad_weight = sum_dy_xmu * invstd if weight is not None and ctx.needs_input_grad[1] else None
+        sum_dy_xmu = (grad_out * x_head).sum(dims) - rest.to(sum_dy.dtype) * sum_dy
+        invstd32 = invstd.to(sum_dy.dtype)
+        grad_weight = sum_dy_xmu * invstd32 if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sum_dy if ctx.needs_input_grad[2] else None
         grad_input = None
         if ctx.needs_input_grad[0]:
             # The loss of every rank depends on this rank's input through the shared statistics.
-            sums = torch.cat([sum_dy, sum_dy_xmu])
+            sums = torch.cat([sum_dy, sum_dy_xmu]).double()
             dist.all_reduce(sums, group=ctx.group)
-            grad_input = _grad_input(grad_out, xmu, invstd, weight, sums, total)
+            grad_input = _grad_input(grad_out, x_head, rest, invstd, weight, sums, total).to(x.dtype)
         return grad_input, grad_weight, grad_bias, None, None
 
 
 def _grad_input(
     grad_out: torch.Tensor,
-    xmu: torch.Tensor,
+    x_head: torch.Tensor,
+    rest: torch.Tensor,
     invstd: torch.Tensor,
     weight: torch.Tensor | None,
     sums: torch.Tensor,
     total: torch.Tensor,
 ) -> torch.Tensor:
+    """BatchNorm's input gradient, scale * (dy - mean(dy) - xmu * invstd² * mean(dy * xmu)),
+    with xmu = x_head - rest, as grad_out * a + x_head * b + c (a, b, c per channel)."""
     channels = invstd.numel()
     mean_dy = sums[:channels] / total
-    mean_dy_xmu = sums[channels:] / total
-    scale = invstd if weight is None else invstd * weight
-    centred = grad_out - _channel_view(mean_dy, grad_out)
-    centred = centred - xmu * _channel_view(invstd * invstd * mean_dy_xmu, xmu)
-    return centred * _channel_view(scale, grad_out)
+    k = invstd * invstd * sums[channels:] / total
+    scale = invstd if weight is None else invstd * weight.double()
+    a = _channel_view(scale.to(grad_out.dtype), grad_out)
+    b = _channel_view((-k * scale).to(x_head.dtype), x_head)
+    c = _channel_view(((rest * k - mean_dy) * scale).to(grad_out.dtype), grad_out)
+    return (grad_out * a).add_(x_head * b).add_(c)
 
 
 class DistributedBatchNorm(_SyncedBatchNormBase):
@@ -195,41 +267,49 @@ class DistributedBatchNorm(_SyncedBatchNormBase):
 # DataParallel
 
 
+class SiblingReplicaFailed(RuntimeError):
+    """Raised in a replica that was waiting for a sibling which failed or timed out: a knock-on
+    error, never the root cause (see `apply_replicas`)."""
+
+
+_Moments = tuple[int, torch.Tensor, torch.Tensor]
+
+
 class _ReplicaSync:
     """Where the replicas of one BatchNorm layer meet during one DataParallel forward."""
 
     def __init__(self, replicas: int) -> None:
         self._barrier = threading.Barrier(replicas, timeout=REPLICA_TIMEOUT_S)
-        self._slots: list[tuple[torch.Tensor, torch.Tensor, int] | None] = [None] * replicas
-        self._result: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._slots: list[_Moments | None] = [None] * replicas
+        self._result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def exchange(
-        self, replica: int, s: torch.Tensor, ss: torch.Tensor, count: int
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        self, replica: int, count: int, mean: torch.Tensor, m2: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Global (mean, biased var, count), on this replica's device and differentiable.
 
         Two barrier waits: the first until every replica has posted, the second until replica 0
         has combined them, which also keeps a reused layer from overwriting slots still read.
         """
-        self._slots[replica] = (s, ss, count)
+        self._slots[replica] = (count, mean, m2)
         self._wait()
         if replica == 0:
             try:
-                self._result = self._combine(s.device)
+                self._result = self._combine(mean.device)
             except BaseException:
                 self.abort()
                 raise
         self._wait()
         assert self._result is not None
-        mean, var, total = self._result
-        return mean.to(s.device), var.to(s.device), total
+        total, mean, var = self._result
+        return mean.to(m2.device), var.to(m2.device), total
 
-    def _combine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _combine(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         slots = [slot for slot in self._slots if slot is not None]
-        total = sum(count for _, _, count in slots)
-        mean = torch.stack([s.to(device) for s, _, _ in slots]).sum(0) / total
-        var = (torch.stack([ss.to(device) for _, ss, _ in slots]).sum(0) / total - mean * mean).clamp(min=0)
-        return mean, var, total
+        counts = torch.tensor([float(n) for n, _, _ in slots], dtype=torch.float64, device=device)
+        means = torch.stack([mean.to(device) for _, mean, _ in slots])
+        m2s = torch.stack([m2.to(device) for _, _, m2 in slots])
+        return merge_moments(counts, means, m2s)
 
     def abort(self) -> None:
         """Release every replica waiting here (they raise); used when a sibling has failed."""
@@ -239,7 +319,7 @@ class _ReplicaSync:
         try:
             self._barrier.wait()
         except threading.BrokenBarrierError:
-            raise RuntimeError(
+            raise SiblingReplicaFailed(
                 "a DataParallel replica did not reach synchronised BatchNorm (it failed or timed out)"
             ) from None
 
@@ -247,7 +327,9 @@ class _ReplicaSync:
 class ReplicaSyncBatchNorm(_SyncedBatchNormBase):
     """BatchNorm whose replicas under `DataParallelWithSyncBN` share batch statistics.
 
-    Outside DataParallel (one device, eval mode) it is plain BatchNorm.
+    Outside DataParallel (one device, eval mode) it is plain BatchNorm. Needs CUDA devices inside
+    real DataParallel; it shares its statistics code with `DistributedBatchNorm`, and the CPU
+    tests run its exchange with replicas in threads.
     """
 
     _replica_sync: _ReplicaSync | None = None
@@ -259,12 +341,10 @@ class ReplicaSyncBatchNorm(_SyncedBatchNormBase):
         if sync is None or not self.training:
             return super().forward(input)
         factor = self._momentum() if self.track_running_stats else 0.0
-        s, ss, count = _local_stats(input)
-        mean, var, total = sync.exchange(self._replica_id, s, ss, count)
-        invstd = torch.rsqrt(var + self.eps)
+        mean, var, total = sync.exchange(self._replica_id, *_local_moments(input))
         if self._replica_id == 0 and self.track_running_stats:
             self._update_running(mean.detach(), var.detach(), float(total), factor)
-        return _normalize(input, mean.to(input.dtype), invstd.to(input.dtype), self.weight, self.bias)
+        return _normalize(input, mean, var, self.eps, self.weight, self.bias)
 
 
 def attach_replica_sync(replicas: Sequence[nn.Module]) -> list[_ReplicaSync]:
@@ -284,27 +364,73 @@ def attach_replica_sync(replicas: Sequence[nn.Module]) -> list[_ReplicaSync]:
     return syncs
 
 
+class _FirstFailure:
+    """The first replica of a forward to fail on its own (not as a sibling's knock-on)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.replica: int | None = None
+        self.error: BaseException | None = None
+
+    def record(self, replica: int, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.replica, self.error = replica, error
+
+
 def guard_replicas(
-    replicas: Sequence[Callable[..., Any]], syncs: Sequence[_ReplicaSync]
+    replicas: Sequence[Callable[..., Any]],
+    syncs: Sequence[_ReplicaSync],
+    failures: _FirstFailure | None = None,
 ) -> list[Callable[..., Any]]:
     """Wrap each replica so that if it fails, the others stop waiting for it at once.
 
     Without this a replica that raises (out of memory, say) before reaching a BatchNorm leaves
-    its siblings blocked in the exchange until the barrier's timeout.
+    its siblings blocked in the exchange until the barrier's timeout. The failure is recorded
+    in `failures`, so that `apply_replicas` can name it instead of a sibling's knock-on error.
     """
 
-    def guarded(replica: Callable[..., Any]) -> Callable[..., Any]:
+    def guarded(replica_id: int, replica: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             try:
                 return replica(*args, **kwargs)
-            except BaseException:
+            except BaseException as exc:
+                if failures is not None and not isinstance(exc, SiblingReplicaFailed):
+                    failures.record(replica_id, exc)
                 for sync in syncs:
                     sync.abort()
                 raise
 
         return run
 
-    return [guarded(r) for r in replicas]
+    return [guarded(i, r) for i, r in enumerate(replicas)]
+
+
+def apply_replicas(
+    apply: Callable[[Sequence[Callable[..., Any]], Sequence[Any], Any], list[Any]],
+    replicas: Sequence[Callable[..., Any]],
+    syncs: Sequence[_ReplicaSync],
+    inputs: Sequence[Any],
+    kwargs: Any,
+) -> list[Any]:
+    """`apply` (DataParallel's parallel_apply) over guarded replicas, raising the root cause.
+
+    parallel_apply re-raises the first failed replica in index order; when replica 1 runs out
+    of memory, that is replica 0's "did not reach synchronised BatchNorm", which hides the
+    reason and, with it, the OOM that the platform's failure classification looks for in the
+    error. So the replica that failed first on its own is re-raised as it was raised (type,
+    message, traceback), with a note naming it; a sibling's knock-on error is never the one
+    that surfaces when a root cause is known.
+    """
+    failures = _FirstFailure()
+    try:
+        return apply(guard_replicas(replicas, syncs, failures), inputs, kwargs)
+    except Exception:
+        root = failures.error
+        if root is None:
+            raise
+        root.add_note(f"raised in DataParallel replica {failures.replica}; its sibling replicas were stopped")
+        raise root from None
 
 
 class DataParallelWithSyncBN(nn.DataParallel):
@@ -319,7 +445,7 @@ class DataParallelWithSyncBN(nn.DataParallel):
         return replicas
 
     def parallel_apply(self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
-        return super().parallel_apply(guard_replicas(replicas, self._syncs), inputs, kwargs)
+        return apply_replicas(super().parallel_apply, replicas, self._syncs, inputs, kwargs)
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from workers.runtime.checkpoint import load_checkpoint
 from workers.runtime.config import TrainConfig, load_config
+from workers.runtime.cpus import describe, use_slot_cpus
 from workers.runtime.distributed import DistContext, barrier, init_distributed, teardown_distributed
 from workers.runtime.env import RuntimeEnv, runtime_env
 from workers.runtime.errors import PREEMPTED_EXIT_CODE, Preempted
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if workdir is not None:
         import_first(workdir)
     plan = make_plan(config, env, cuda_device_count=torch.cuda.device_count())
+    cpus = None if plan.is_cuda else use_slot_cpus(env)
+    if cpus is not None:
+        log(env.rank, f"CPU slots {','.join(map(str, env.slots or ()))}: {describe(cpus)}")
     preflight_s = run_preflight(env)
     if preflight_s is not None and env.rank == 0:
         log(env.rank, f"pre-flight: all {env.world_size} ranks reached each other in {preflight_s:.2f} s")

@@ -12,16 +12,22 @@ import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Sized
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from workers.runtime import debug
-from workers.runtime.checkpoint import build_checkpoint, checkpoint_name, write_atomic
+from workers.runtime.checkpoint import (
+    build_checkpoint,
+    checkpoint_name,
+    fit_state_dict,
+    unwrap_model,
+    write_atomic,
+)
 from workers.runtime.config import TrainConfig
 from workers.runtime.data import EpochBatchSampler, LoaderOptions, train_loader, val_loader
 from workers.runtime.distributed import (
@@ -44,6 +50,7 @@ from workers.runtime.stepping import Grouping, Stepper
 from workers.runtime.version import torchjobs_version
 
 Resume = tuple[dict[str, torch.Tensor], dict[str, Any] | None, int, int, dict[str, Any]]
+T = TypeVar("T")
 
 
 def log(rank: int, message: str) -> None:
@@ -107,6 +114,7 @@ class Trainer:
         self.ctx = ctx
         self.flag = flag
         seed_everything(self.hp.seed + ctx.rank)
+        self._say_when_dp_is_single()
         self.model = self._build_model(resume)
         self.optimizer = make_optimizer(self.model.bare, self.hp)
         self.stepper = Stepper(self.optimizer, self.hp, ctx.device)
@@ -128,17 +136,50 @@ class Trainer:
 
     # ---------------------------------------------------------------- setup
 
+    def _say_when_dp_is_single(self) -> None:
+        """DataParallel splits a batch over GPUs only: a `dp` job on the CPU, or on one GPU, is
+        single-process training on one device, which its log says plainly (a job on two CPU
+        slots would otherwise look like it uses both)."""
+        if self.plan.mode != "dp" or len(self.plan.dp_device_ids) > 1:
+            return
+        where = "one GPU" if self.plan.is_cuda else "the CPU"
+        log(
+            self.ctx.rank,
+            f"mode dp on {where} is single-process training on one device, the same as mode "
+            "single: DataParallel spreads a batch over two or more GPUs only (on the CPU, ddp "
+            "runs one process per slot)",
+        )
+
+    def _node_leader_first(self, build: Callable[[], T]) -> T:
+        """Call a factory on each node's local rank 0 first, then on the node's other ranks.
+
+        A factory may download or cache (a dataset, pretrained weights) into a place the ranks
+        of a node share; called by all at once, they would race to fetch and write it. So, as
+        the seed does, local rank 0 builds while the others wait at a barrier, and they build
+        after it, finding the cache ready. (The barrier is global: every node's leader builds at
+        once, then everyone else.) Builtins read nothing from outside and skip the wait.
+        """
+        if self.config.entrypoint.kind != "factory" or not self.ctx.distributed:
+            return build()
+        if self.env.local_rank == 0:
+            built = build()
+            barrier(self.ctx)
+            return built
+        barrier(self.ctx)
+        return build()
+
     def _build_model(self, resume: Resume | None) -> PlacedModel:
-        model = load_model(self.config.entrypoint)
+        model = self._node_leader_first(lambda: load_model(self.config.entrypoint))
         if resume is not None:
+            target = unwrap_model(model)  # a factory may hand over a wrapped model
             try:
-                model.load_state_dict(resume[0])
+                target.load_state_dict(fit_state_dict(resume[0], target))
             except RuntimeError as exc:
                 raise CheckpointError(f"checkpoint weights do not fit the model: {exc}") from exc
         return place_model(model, self.plan)
 
     def _build_data(self) -> tuple[EpochBatchSampler, DataLoader, DataLoader | None]:
-        train_set, val_set = load_datasets(self.config.entrypoint, self.hp)
+        train_set, val_set = self._node_leader_first(lambda: load_datasets(self.config.entrypoint, self.hp))
         sampler = EpochBatchSampler(
             train_set,
             batch_size=self.hp.batch_size,
@@ -153,7 +194,12 @@ class Trainer:
                 f"{self.hp.batch_size} "
                 f"per process over {self.ctx.world_size} processes"
             )
-        opts = LoaderOptions(num_workers=self.hp.num_workers, pin_memory=self.plan.is_cuda, seed=self.hp.seed)
+        opts = LoaderOptions(
+            num_workers=self.hp.num_workers,
+            pin_memory=self.plan.is_cuda,
+            seed=self.hp.seed,
+            rank=self.ctx.rank,
+        )
         val = None
         if val_set is not None:
             val = val_loader(
@@ -374,7 +420,7 @@ class Trainer:
         if scaler is not None:
             meta["grad_scaler"] = scaler
         return build_checkpoint(
-            net_state=self.model.bare.state_dict(),
+            net_state=unwrap_model(self.model.bare).state_dict(),
             optimizer_state=self.optimizer.state_dict(),
             epoch=self.pos.epoch,
             step=self.pos.step,

@@ -160,6 +160,15 @@ def test_cuda_hosts_pin_the_assigned_devices() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     cpu_env = build_launch(launch(accelerator="cpu", gpus=(2, 3))).env
     assert cpu_env["CUDA_VISIBLE_DEVICES"] == "" and cpu_env["TORCHJOBS_SLOTS"] == "2,3"
+    assert "TORCHJOBS_WORKER_SLOTS" not in cpu_env and "TORCHJOBS_SLOTS" not in env
+
+
+def test_cpu_ranks_are_told_the_workers_slot_count_to_share_its_cores() -> None:
+    env = build_launch(launch(accelerator="cpu", gpus=(2, 3), worker_slots=4)).env
+    assert (env["TORCHJOBS_SLOTS"], env["TORCHJOBS_WORKER_SLOTS"]) == ("2,3", "4")
+    assert "TORCHJOBS_WORKER_SLOTS" not in build_launch(launch(accelerator="cuda", worker_slots=4)).env
+    with pytest.raises(ValueError, match="outside the worker's 2"):
+        launch(gpus=(1, 2), worker_slots=2)
 
 
 def test_no_resume_means_no_variable() -> None:

@@ -13,7 +13,13 @@ import torch
 from torch import nn
 
 from workers.runtime import checkpoint as ckpt_mod
-from workers.runtime.checkpoint import build_checkpoint, load_checkpoint, write_atomic
+from workers.runtime.checkpoint import (
+    build_checkpoint,
+    fit_state_dict,
+    load_checkpoint,
+    unwrap_model,
+    write_atomic,
+)
 from workers.runtime.errors import CheckpointError
 from workers.runtime.models import build_cnn, build_mlp
 
@@ -29,7 +35,7 @@ def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _assert_loads_into_fresh_model(net: dict[str, torch.Tensor], model: nn.Module) -> None:
     fresh = build_mlp()
-    fresh.load_state_dict(net)  # strict: every name matches
+    fresh.load_state_dict(fit_state_dict(net, fresh))  # strict: every name matches
     for name, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
 
@@ -130,7 +136,6 @@ def test_a_file_that_would_run_code_on_load_is_refused_and_nothing_runs(tmp_path
             {"state_dict": {"net": {"w": torch.zeros(1)}}, "optimizer": {"lr": 1}},
             "not an optimizer state_dict",
         ),
-        ({"w": torch.zeros(1), "module.w": torch.zeros(1)}, "both with and without a 'module.' prefix"),
     ],
 )
 def test_layouts_that_are_not_checkpoints_are_clear_errors(
@@ -166,3 +171,130 @@ def test_write_atomic_replaces_an_existing_file_whole(tmp_path: Path) -> None:
     write_atomic({"a": torch.ones(3)}, path)
     assert torch.equal(torch.load(path, weights_only=True)["a"], torch.ones(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0001.pt"]
+
+
+# ------------------------------------------------------------------------------------------ wrapper prefixes
+
+
+class _Ema(nn.Module):
+    """The EMA/wrapper pattern: the real model is a submodule called `module`, beside state of
+    the wrapper's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = build_mlp()
+        self.register_buffer("updates", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def _ema() -> nn.Module:
+    torch.manual_seed(0)
+    model = _Ema()
+    with torch.no_grad():
+        model.updates.fill_(7)
+    return model
+
+
+def _assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    assert list(a.state_dict()) == list(b.state_dict())
+    for name, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[name]), name
+
+
+def test_a_submodule_called_module_keeps_its_names_through_save_and_resume(tmp_path: Path) -> None:
+    model = _ema()
+    wrapped = torch.compile(nn.DataParallel(model))  # no compilation happens before a forward
+    saved = unwrap_model(wrapped).state_dict()
+    assert set(saved) == set(model.state_dict()) and "module.1.weight" in saved and "updates" in saved
+    payload = build_checkpoint(
+        net_state=saved, optimizer_state={"state": {}, "param_groups": []}, epoch=1, step=2, meta={}
+    )
+    write_atomic(payload, tmp_path / "ema.pt")
+    net, *_ = load_checkpoint(tmp_path / "ema.pt")
+    assert set(net) == set(model.state_dict())
+    fresh = _Ema()
+    fresh.load_state_dict(fit_state_dict(net, fresh))
+    _assert_same_state(fresh, model)
+
+
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module."])
+def test_wrapper_prefixes_are_dropped_where_the_model_lacks_them(tmp_path: Path, prefix: str) -> None:
+    """The seed's DDP save (`module.`), a compiled model's (`_orig_mod.`) and both, into a plain
+    model; and a DDP save of the EMA wrapper, whose own names begin with `module.`."""
+    plain, _ = _model_and_optimizer()
+    torch.save(
+        {"state_dict": {"net": {prefix + k: v for k, v in plain.state_dict().items()}}}, tmp_path / "p.pt"
+    )
+    _assert_loads_into_fresh_model(load_checkpoint(tmp_path / "p.pt")[0], plain)
+
+    ema = _ema()
+    torch.save({prefix + k: v for k, v in ema.state_dict().items()}, tmp_path / "ema.pt")
+    fresh = _Ema()
+    fresh.load_state_dict(fit_state_dict(load_checkpoint(tmp_path / "ema.pt")[0], fresh))
+    _assert_same_state(fresh, ema)
+
+
+def test_a_real_compiled_model_state_dict_loads_into_a_plain_one(tmp_path: Path) -> None:
+    plain, _ = _model_and_optimizer()
+    compiled = torch.compile(plain)
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    torch.save(compiled.state_dict(), tmp_path / "c.pt")
+    _assert_loads_into_fresh_model(load_checkpoint(tmp_path / "c.pt")[0], plain)
+
+
+def test_a_name_both_with_and_without_a_wrapper_prefix_is_a_clear_error() -> None:
+    state = {"0.weight": torch.zeros(1), "module.0.weight": torch.zeros(1)}
+    with pytest.raises(CheckpointError, match="'0.weight' appears twice"):
+        fit_state_dict(state, nn.Sequential(nn.Linear(1, 1, bias=False)))
+    # ...unless the model really has both names
+    both = nn.Sequential(nn.Linear(1, 1, bias=False))
+    both.module = nn.Sequential(nn.Linear(1, 1, bias=False))
+    assert set(fit_state_dict(state, both)) == set(state)
+
+
+EMA_FACTORY = """
+from torch import nn
+from workers.runtime.data import builtin_datasets
+from workers.runtime.models import build_mlp
+
+class Ema(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.module = build_mlp()
+
+    def forward(self, x):
+        return self.module(x)
+
+def model():
+    return Ema()
+
+def data():
+    return builtin_datasets("synthetic", synthetic_size=256)
+"""
+
+
+def test_the_trainer_saves_and_resumes_a_model_with_a_submodule_called_module(
+    jobs: Any, tmp_path: Path
+) -> None:
+    """The trainer used to save `module.1.weight` as `1.weight`, and then could not resume from
+    its own checkpoint. Now the names stay, and 1 epoch + resume + 1 equals 2 straight."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "emafactory.py").write_text(EMA_FACTORY)
+
+    def start(name: str, epochs: int, resume: Path | None = None) -> Any:
+        config = jobs.config("single", epochs=epochs)
+        config["entrypoint"] = {"kind": "factory", "model": "emafactory:model", "dataset": "emafactory:data"}
+        return jobs.start(
+            tmp_path / name, config, resume=resume, torchrun=False, PYTHONPATH=str(tmp_path / "pkg")
+        )
+
+    straight, short = start("straight", 2), start("short", 1)
+    straight.ok(), short.ok()
+    first = short.checkpoints / "epoch-0001.pt"
+    names = set(torch.load(first, weights_only=True)["state_dict"]["net"])
+    assert "module.1.weight" in names and not any(n.startswith("1.") for n in names)
+    resumed = start("resumed", 2, resume=first).ok()
+    assert "resuming at epoch 1" in resumed.output
+    jobs.assert_same_weights(jobs.final_weights(straight), jobs.final_weights(resumed))

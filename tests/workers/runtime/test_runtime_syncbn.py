@@ -224,7 +224,13 @@ def _ddp_rank(rank: int, world: int, init: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        results = {f"{kind}-{momentum}": _ddp_case(rank, kind, momentum) for kind, momentum in DDP_CASES}
+        results: dict[str, Any] = {
+            f"{kind}-{momentum}": _ddp_case(rank, kind, momentum) for kind, momentum in DDP_CASES
+        }
+        for kind, spread in MOMENT_CASES:
+            results[f"moments-{kind}-{spread}"] = _moments_case(
+                DistributedBatchNorm, rank, kind, spread, MOMENT_SIZES
+            )
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -276,3 +282,124 @@ def test_cpu_ddp_batchnorm_matches_one_batchnorm_over_the_global_batch(
         for name, buf in ref["buffers"].items():
             assert torch.equal(got[0]["buffers"][name], got[1]["buffers"][name]), name
             _close(got[0]["buffers"][name].double(), buf.double(), f"{name}, step {step}")
+
+
+# ------------------------------------------------------------------------------------------ stable variance
+#
+# Inputs far from zero relative to their spread: E[x^2] - E[x]^2 loses every significant digit
+# there (the layer then normalised by a variance off by orders of magnitude). Both layers must
+# match one BatchNorm over the global batch evaluated in float64, i.e. the exact answer for these
+# float32 inputs; native float32 BatchNorm itself is only within about 5e-3 of it here (it cannot
+# hold the mean 1e3 to better than half an ulp, 3e-5, and multiplies that by invstd = 100), so
+# it is the float64 evaluation, not the float32 one, that a 1e-3 tolerance can be held to.
+
+MOMENT_CASES = [("2d", "shifted"), ("1d", "shifted"), ("2d", "centred"), ("1d", "centred")]
+MOMENT_SIZES = [5, 3]  # unequal local batches: the merge must weight replicas by their counts
+SPREADS = {"shifted": (1e3, 0.01), "centred": (0.0, 1.0)}
+
+
+def _moment_inputs(kind: str, spread: str, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 input with the spread's mean and std per channel, a projection making the loss)."""
+    mean, std = SPREADS[spread]
+    g = torch.Generator().manual_seed(7)
+    shape = (batch, 3, 4, 4) if kind == "2d" else (batch, 3)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * std + mean).float()
+    return x, torch.randn(shape, generator=g)
+
+
+def _moment_layer(cls: type[nn.Module]) -> nn.Module:
+    layer = cls(3)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([0.5, 1.0, 1.5]))
+        layer.bias.copy_(torch.tensor([-0.25, 0.0, 0.25]))
+    return layer
+
+
+def _moments_case(
+    cls: type[nn.Module], rank: int, kind: str, spread: str, sizes: list[int]
+) -> dict[str, torch.Tensor]:
+    layer = _moment_layer(cls).train()
+    x, proj = _moment_inputs(kind, spread, sum(sizes))
+    start = sum(sizes[:rank])
+    mine = x[start : start + sizes[rank]].clone().requires_grad_()
+    out = layer(mine)
+    (out * proj[start : start + sizes[rank]]).sum().backward()
+    return {
+        "out": out.detach(),
+        "x_grad": mine.grad.clone(),
+        "weight_grad": layer.weight.grad.clone(),
+        "bias_grad": layer.bias.grad.clone(),
+        "running_var": layer.running_var.clone(),
+    }
+
+
+def _moments_reference(
+    kind: str, spread: str, sizes: list[int], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """One native BatchNorm over the whole batch, evaluated in `dtype`."""
+    layer = _moment_layer(nn.BatchNorm2d if kind == "2d" else nn.BatchNorm1d).to(dtype).train()
+    x, proj = _moment_inputs(kind, spread, sum(sizes))
+    x = x.to(dtype).requires_grad_()
+    out = layer(x)
+    (out * proj.to(dtype)).sum().backward()
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "weight_grad": layer.weight.grad,
+        "bias_grad": layer.bias.grad,
+        "running_var": layer.running_var,
+    }
+
+
+def _assert_matches_global_batchnorm(got: dict[str, torch.Tensor], kind: str, spread: str) -> None:
+    exact = _moments_reference(kind, spread, MOMENT_SIZES, torch.float64)
+    if spread == "shifted":
+        assert exact["x_grad"].abs().max() > 100  # invstd is 100: a real test of 1e-3, not of rounding
+        for key in ("out", "x_grad", "weight_grad", "bias_grad"):
+            torch.testing.assert_close(got[key].double(), exact[key], rtol=0.0, atol=1e-3, msg=key)
+        torch.testing.assert_close(got["running_var"].double(), exact["running_var"], rtol=1e-4, atol=0.0)
+    else:  # well-centred: as close to native float32 BatchNorm as float32 rounding allows
+        native = _moments_reference(kind, spread, MOMENT_SIZES, torch.float32)
+        for key in ("out", "x_grad", "weight_grad", "bias_grad", "running_var"):
+            torch.testing.assert_close(got[key], native[key], rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize(("kind", "spread"), MOMENT_CASES)
+def test_cpu_ddp_batchnorm_variance_is_stable_far_from_zero(
+    ddp_ranks: list[dict[str, Any]], kind: str, spread: str
+) -> None:
+    got = [r[f"moments-{kind}-{spread}"] for r in ddp_ranks]
+    assert torch.equal(got[0]["running_var"], got[1]["running_var"])
+    merged = {
+        "out": torch.cat([g["out"] for g in got]),
+        "x_grad": torch.cat([g["x_grad"] for g in got]),
+        # each rank holds its own batch's share of the parameter gradients; DDP sums them
+        "weight_grad": got[0]["weight_grad"] + got[1]["weight_grad"],
+        "bias_grad": got[0]["bias_grad"] + got[1]["bias_grad"],
+        "running_var": got[0]["running_var"],
+    }
+    _assert_matches_global_batchnorm(merged, kind, spread)
+
+
+@pytest.mark.parametrize(("kind", "spread"), MOMENT_CASES)
+def test_dataparallel_batchnorm_variance_is_stable_far_from_zero(kind: str, spread: str) -> None:
+    """The DataParallel layer's exchange, its merge and its backward (autograd through the
+    exchange), with CPU replicas in threads as DataParallel would run them on GPUs."""
+    layer = convert_replica_batchnorm(
+        nn.Sequential(_moment_layer(nn.BatchNorm2d if kind == "2d" else nn.BatchNorm1d))
+    )
+    x, proj = _moment_inputs(kind, spread, sum(MOMENT_SIZES))
+    x.requires_grad_()
+    replicas = cpu_replicate(layer.train(), len(MOMENT_SIZES))
+    syncs = attach_replica_sync(replicas)
+    out = torch.cat(parallel_apply_cpu(guard_replicas(replicas, syncs), list(x.split(MOMENT_SIZES))))
+    (out * proj).sum().backward()
+    bn = layer[0]
+    got = {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "weight_grad": bn.weight.grad,
+        "bias_grad": bn.bias.grad,
+        "running_var": bn.running_var,
+    }
+    _assert_matches_global_batchnorm(got, kind, spread)
