@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import sys
 import threading
@@ -83,6 +84,50 @@ def pct(values: list[float], q: float) -> float | None:
 # ------------------------------------------------------------------------------------------ the hosts
 
 
+def beat_hosts(
+    settings: Any, hosts: dict[str, str], threads: int, stop: Any, beats: Any, max_gap: Any, errors: Any
+) -> None:
+    """Every host's heartbeat every `heartbeat_interval_s`, spread evenly, in a process of its
+    own: on one host a beat is its agent's thread; here a thousand share one GIL, which the
+    claims and batches must not wait behind."""
+    from service.db import Database
+    from service.hosts.states import heartbeat
+    from service.models import utcnow
+
+    db = Database(settings)
+    names = list(hosts)
+    interval_s = settings.heartbeat_interval_s
+
+    def share(mine: list[str]) -> None:
+        last: dict[str, float] = {}
+        gap = interval_s / max(1, len(mine))
+        due, i = time.monotonic(), 0
+        while not stop.is_set():
+            name = mine[i % len(mine)]
+            try:
+                with db.transaction() as s:
+                    heartbeat(s, name, hosts[name], utcnow())
+            except Exception:  # keep beating; count it
+                with errors.get_lock():
+                    errors.value += 1
+            now = time.monotonic()
+            with max_gap.get_lock():
+                max_gap.value = max(max_gap.value, now - last.get(name, now))
+            with beats.get_lock():
+                beats.value += 1
+            last[name] = now
+            i += 1
+            due += gap
+            time.sleep(max(0.0, due - time.monotonic()))
+
+    workers = [threading.Thread(target=share, args=(names[i::threads],)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    db.dispose()
+
+
 class SimHosts:
     def __init__(self, db: Any, count: int, load: Load, stop: threading.Event) -> None:
         self.db, self.load, self.stop = db, load, stop
@@ -108,33 +153,9 @@ class SimHosts:
                     open_to_all=True,
                 )
 
-    def beat(self, names: list[str], interval_s: float) -> None:
-        """One thread's share of the hosts, each beating every `interval_s`, spread evenly."""
-        from service.hosts.states import heartbeat
-        from service.models import utcnow
-
-        last: dict[str, float] = {}
-        gap = interval_s / max(1, len(names))
-        due = time.monotonic()
-        i = 0
-        while not self.stop.is_set():
-            name = names[i % len(names)]
-            try:
-                with self.db.transaction() as s:
-                    heartbeat(s, name, self.hosts[name], utcnow())
-            except Exception as exc:  # keep beating; count it
-                self.load.errors.append(f"heartbeat: {exc.__class__.__name__}")
-            now = time.monotonic()
-            if name in last:
-                self.load.max_beat_gap_s = max(self.load.max_beat_gap_s, now - last[name])
-            last[name] = now
-            self.load.beats += 1
-            i += 1
-            due += gap
-            time.sleep(max(0.0, due - time.monotonic()))
-
-    def claim(self) -> None:
-        """What Celery's message does on a real host: the placed node is claimed and runs."""
+    def claim(self, shard: int = 0, shards: int = 1) -> None:
+        """What Celery's message does on a real host: the placed node is claimed and runs.
+        Several claimers (a host's own claim runs on that host, in parallel with the others')."""
         from sqlalchemy import select
 
         from service.jobs.lifecycle import claim_for_launch
@@ -150,6 +171,8 @@ class SimHosts:
                     )
                 ).all()
             for job_id, attempt, node_rank, host in rows:
+                if int(host[4:]) % shards != shard:
+                    continue
                 key = NodeKey(job_id=job_id, attempt=attempt, node_rank=node_rank)
                 with self.db.transaction() as s:
                     claimed = claim_for_launch(s, key, self.hosts[host])
@@ -171,11 +194,7 @@ class SimHosts:
         while not self.stop.wait(BATCH_EVERY_S):
             step += 1
             with self.lock:
-                mine = [
-                    (k, v)
-                    for i, (k, v) in enumerate(sorted(self.running.items(), key=_order))
-                    if i % shards == shard
-                ]
+                mine = [(k, v) for k, v in self.running.items() if k.job_id % shards == shard]
             for key, (host, ends_at, offset) in mine:
                 if time.monotonic() >= ends_at:
                     record_end(self.db, key, NodeOutcome(state=NodeState.SUCCEEDED, exit_code=0), worker=host)
@@ -199,10 +218,6 @@ class SimHosts:
     def running_jobs(self) -> list[int]:
         with self.lock:
             return [k.job_id for k in self.running]
-
-
-def _order(item: tuple[Any, Any]) -> tuple[int, int]:
-    return (item[0].job_id, item[0].node_rank)
 
 
 # ------------------------------------------------------------------------------------------ the clients
@@ -271,20 +286,23 @@ def clients(url: str, sim: SimHosts, out: Clients, stop: threading.Event) -> lis
 # ------------------------------------------------------------------------------------------ a step
 
 
-def postgres_cpu_s() -> float:
-    """utime + stime of every postgres process, in seconds."""
-    total = 0
-    for pid in (p for p in Path("/proc").iterdir() if p.name.isdigit()):
-        try:
-            if (pid / "comm").read_text().strip() != "postgres":
-                continue
-            fields = (pid / "stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, IndexError, ValueError):
-            continue
+def cpu_s(pid: Path) -> float:
+    """utime + stime of one process (and its reaped children), in seconds."""
     import os
 
-    return total / os.sysconf("SC_CLK_TCK")
+    fields = (pid / "stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu_s() -> float:
+    total = 0.0
+    for pid in (p for p in Path("/proc").iterdir() if p.name.isdigit()):
+        try:
+            if (pid / "comm").read_text().strip() == "postgres":
+                total += cpu_s(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
 
 
 def commits(pg_url: str) -> int:
@@ -353,15 +371,27 @@ def run_step(step: Step, scratch: Path) -> dict[str, Any]:
         sim = SimHosts(db, step.hosts, load, stop)
         sim.register()
         seed_jobs(db, step.jobs or step.running + step.running // 2)
-        names = list(sim.hosts)
-        beaters = max(1, min(4, step.hosts // 100))
+        spawn = multiprocessing.get_context("spawn")
+        beat_stop, beats_v = spawn.Event(), spawn.Value("q", 0)
+        gap_v, errors_v = spawn.Value("d", 0.0), spawn.Value("q", 0)
+        beater = spawn.Process(
+            target=beat_hosts,
+            args=(
+                settings,
+                sim.hosts,
+                max(1, min(4, step.hosts // 100)),
+                beat_stop,
+                beats_v,
+                gap_v,
+                errors_v,
+            ),
+            daemon=True,
+        )
+        beater.start()
+        claimers = max(1, min(6, step.hosts // 100))
         threads = [
-            threading.Thread(
-                target=sim.beat, args=(names[i::beaters], settings.heartbeat_interval_s), daemon=True
-            )
-            for i in range(beaters)
+            threading.Thread(target=sim.claim, args=(i, claimers), daemon=True) for i in range(claimers)
         ]
-        threads.append(threading.Thread(target=sim.claim, daemon=True))
         reporters = max(1, min(8, step.running // 25))
         threads += [
             threading.Thread(target=sim.report, args=(i, reporters), daemon=True) for i in range(reporters)
@@ -369,11 +399,18 @@ def run_step(step: Step, scratch: Path) -> dict[str, Any]:
         for t in threads:
             t.start()
         target = min(step.running, step.hosts) * 0.9
-        harness.wait_for(lambda: len(sim.running) >= target, 120, f"{target:.0f} nodes running")
+        started = time.monotonic()
+        while len(sim.running) < target and time.monotonic() - started < 120:
+            time.sleep(0.5)
+        ramp_s = time.monotonic() - started  # placing and claiming K nodes (may not get there)
         client_threads = clients(stack.url, sim, out, stop)
         for t in client_threads:
             t.start()
-        load.beats = load.batches = 0
+        load.batches = 0
+        with beats_v.get_lock():
+            beats_v.value = 0
+        server = Path(f"/proc/{stack.procs['server'].pid}")
+        api0 = cpu_s(server)
         c0, (n0, s0, b0), cpu0, t0 = (
             commits(pg_url),
             pass_histogram(stack.url),
@@ -386,8 +423,14 @@ def run_step(step: Step, scratch: Path) -> dict[str, Any]:
             time.sleep(min(1.0, step.seconds / 4))
         elapsed = time.monotonic() - t0
         c1, (n1, s1, b1), cpu1 = commits(pg_url), pass_histogram(stack.url), postgres_cpu_s()
-        beats, batches = load.beats, load.batches
+        api1 = cpu_s(server)
+        beats, batches = beats_v.value, load.batches
         stop.set()
+        beat_stop.set()
+        beater.join(timeout=30)
+        load.max_beat_gap_s = gap_v.value
+        if errors_v.value:
+            load.errors.append(f"heartbeat: {errors_v.value} failed")
         for t in threads + client_threads:
             t.join(timeout=30)
         with db.read() as s:
@@ -406,6 +449,8 @@ def run_step(step: Step, scratch: Path) -> dict[str, Any]:
         "running": step.running,
         "running_avg": round(running_avg, 1),
         "seconds": round(elapsed, 1),
+        "ramp_s": round(ramp_s, 1),
+        "ramp_reached": len(running_samples) > 0 and running_samples[0] >= target,
         "pass_mean_s": (s1 - s0) / (n1 - n0) if n1 > n0 else None,
         "pass_p99_s": pass_p99(b0, b1),
         "passes": int(n1 - n0),
@@ -421,6 +466,7 @@ def run_step(step: Step, scratch: Path) -> dict[str, Any]:
         "client_failures": out.failures,
         "commits_per_s": (c1 - c0) / elapsed,
         "postgres_cores": (cpu1 - cpu0) / elapsed,
+        "server_cores": (api1 - api0) / elapsed,
         "beats_per_s": beats / elapsed,
         "beats_offered_per_s": offered_beats,
         "max_beat_gap_s": load.max_beat_gap_s,
@@ -437,6 +483,10 @@ def run_step(step: Step, scratch: Path) -> dict[str, Any]:
 
 
 def first_broken(r: dict[str, Any], timeout_s: float) -> str | None:
+    if not r["ramp_reached"]:
+        return (
+            f"only {r['running_avg']:.0f} of {r['running']} nodes running {r['ramp_s']:.0f} s after the start"
+        )
     if r["false_offline"]:
         return f"{r['false_offline']} hosts taken offline while beating (heartbeat timeout {timeout_s:.0f} s)"
     if r["lost_nodes"]:
@@ -449,8 +499,8 @@ def first_broken(r: dict[str, Any], timeout_s: float) -> str | None:
         if (r[f"{what}_p99_s"] or 0) > 1.0:
             return f"{what.upper()} p99 {r[f'{what}_p99_s']:.2f} s"
     if (
-        r["beats_per_s"] < 0.9 * r["beats_offered_per_s"]
-        or r["batches_per_s"] < 0.9 * r["batches_offered_per_s"]
+        r["beats_per_s"] < 0.8 * r["beats_offered_per_s"]
+        or r["batches_per_s"] < 0.8 * r["batches_offered_per_s"]
     ):
         return "the machine could not offer the load (simulator and server share 2 cores)"
     return None
@@ -466,14 +516,14 @@ def ms(v: float | None) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| hosts | running | pass mean / p99 ms | GET p50 / p99 ms | POST p50 / p99 ms | list p50 / p99 ms "
-        "| event lag p50 / p99 ms | commits/s | PostgreSQL cores | beats/s (offered) | batches/s (offered) "
-        "| first broken |\n" + "| ---" * 12 + " |\n"
+        "| event lag p50 / p99 ms | commits/s | PostgreSQL / server cores | beats/s (offered) "
+        "| batches/s (offered) | first broken |\n" + "| ---" * 12 + " |\n"
     )
     lines = [
         f"| {r['hosts']} | {r['running_avg']:.0f} | {ms(r['pass_mean_s'])} / {ms(r['pass_p99_s'])} "
         f"| {ms(r['get_p50_s'])} / {ms(r['get_p99_s'])} | {ms(r['post_p50_s'])} / {ms(r['post_p99_s'])} "
         f"| {ms(r['list_p50_s'])} / {ms(r['list_p99_s'])} | {ms(r['lag_p50_s'])} / {ms(r['lag_p99_s'])} "
-        f"| {r['commits_per_s']:.0f} | {r['postgres_cores']:.2f} "
+        f"| {r['commits_per_s']:.0f} | {r['postgres_cores']:.2f} / {r['server_cores']:.2f} "
         f"| {r['beats_per_s']:.0f} ({r['beats_offered_per_s']:.0f}) "
         f"| {r['batches_per_s']:.0f} ({r['batches_offered_per_s']:.0f}) | {r['broke'] or 'nothing'} |"
         for r in rows

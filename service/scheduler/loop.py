@@ -130,6 +130,17 @@ class ResendThrottle:
         return fresh
 
 
+_HOST_SESSIONS = select(Worker.name, Worker.state, Worker.session)
+_ACTIVE_RUNS = select(
+    NodeRun.id,
+    NodeRun.worker_name,
+    NodeRun.state,
+    NodeRun.worker_session,
+    NodeRun.created_at,
+    NodeRun.node_rank,
+).where(NodeRun.state.in_(NODE_ACTIVE))
+
+
 def reap(session: Session, settings: Settings, judge_silence: bool = True) -> None:
     """Workers silent past the timeout go offline; their nodes are lost; their jobs retry or fail.
 
@@ -140,24 +151,27 @@ def reap(session: Session, settings: Settings, judge_silence: bool = True) -> No
     for worker in hosts_repo.stale_online(session, cutoff) if judge_silence else ():
         if take_offline(worker):
             log.warning("worker %s missed its heartbeats: offline", worker.name)
-    sessions = {w.name: (w.state, w.session) for w in session.execute(select(Worker)).scalars()}
-    runs = session.execute(select(NodeRun).where(NodeRun.state.in_(NODE_ACTIVE))).scalars().all()
-    for run in runs:
-        state, current = sessions.get(run.worker_name, (WorkerState.OFFLINE, None))
-        gone = state == WorkerState.OFFLINE or (
-            run.state == NodeState.RUNNING and run.worker_session != current
-        )
+    # Three columns of each host and five of each active node, not whole rows: with a thousand
+    # hosts this pass runs every second (bench/scale.py); rows are loaded for the lost only.
+    sessions = {name: (state, current) for name, state, current in session.execute(_HOST_SESSIONS)}
+    lost: dict[int, str] = {}
+    for run_id, worker_name, state, worker_session, created_at, node_rank in session.execute(_ACTIVE_RUNS):
+        host_state, current = sessions.get(worker_name, (WorkerState.OFFLINE, None))
+        gone = host_state == WorkerState.OFFLINE or (state == NodeState.RUNNING and worker_session != current)
         late = (
             judge_silence
-            and run.state == NodeState.PENDING
-            and (now - run.created_at).total_seconds() > settings.rendezvous_timeout_s
+            and state == NodeState.PENDING
+            and (now - created_at).total_seconds() > settings.rendezvous_timeout_s
         )
         if gone or late:
-            reason = "worker lost" if gone else f"node {run.node_rank} did not start in time"
-            if lose_node(session, run, reason) and record_node_end(
-                session, run.worker_name, HostVerdict.FAILED_HERE, reason, settings.quarantine_after
-            ):
-                tell_quarantined(session, run.job_id, run.worker_name)
+            lost[run_id] = "worker lost" if gone else f"node {node_rank} did not start in time"
+    runs = session.execute(select(NodeRun).where(NodeRun.id.in_(list(lost)))).scalars().all() if lost else []
+    for run in runs:
+        reason = lost[run.id]
+        if lose_node(session, run, reason) and record_node_end(
+            session, run.worker_name, HostVerdict.FAILED_HERE, reason, settings.quarantine_after
+        ):
+            tell_quarantined(session, run.job_id, run.worker_name)
     cancelling = select(Job).where(Job.state == CANCELLING, Job.kind != SWEEP)  # (a sweep: settle_sweeps)
     for job in session.execute(cancelling).scalars().all():
         if all(r.state != NodeState.RUNNING for r in runs_of(session, job.id, job.attempt)):
