@@ -81,7 +81,8 @@ NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
 }
 
 WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.ONLINE: frozenset({WorkerState.OFFLINE}),
+    # online -> online: a heartbeat, or a restart under the same name, refreshes the host
+    WorkerState.ONLINE: frozenset({WorkerState.ONLINE, WorkerState.OFFLINE}),
     # A host taken offline for silence comes back with its next heartbeat or restart.
     WorkerState.OFFLINE: frozenset({WorkerState.ONLINE}),
 }

@@ -14,6 +14,7 @@ from pathlib import Path
 from service.states import (
     JOB_TRANSITIONS,
     NODE_TRANSITIONS,
+    SWEEP_TRANSITIONS,
     WORKER_TRANSITIONS,
     JobState,
     NodeState,
@@ -133,5 +134,21 @@ def test_node_run_transitions() -> None:
 
 def test_worker_transitions() -> None:
     assert set(WORKER_TRANSITIONS) == set(WorkerState)
-    assert worker_may_move("online", "offline") and worker_may_move("offline", "online")
-    assert not worker_may_move("online", "online") and not worker_may_move("online", "draining")
+    allowed = {(a, b) for a, targets in WORKER_TRANSITIONS.items() for b in targets}
+    assert allowed == {("online", "offline"), ("offline", "online"), ("online", "online")}
+    assert not worker_may_move("offline", "offline") and not worker_may_move("online", "draining")
+
+
+def test_sweep_transitions() -> None:
+    """A sweep's parent (contract §10): running from its creation, ended by its children."""
+    assert set(SWEEP_TRANSITIONS) == set(JobState)
+    allowed = {(a, b) for a, targets in SWEEP_TRANSITIONS.items() for b in targets}
+    assert allowed == {
+        ("queued", "running"),
+        ("running", "succeeded"),
+        ("running", "failed"),
+        ("running", "cancelling"),
+        ("cancelling", "cancelled"),
+    }
+    assert job_may_move("queued", "running", "sweep") and not job_may_move("queued", "running")
+    assert not job_may_move("queued", "scheduled", "sweep")  # a parent is never placed

@@ -14,7 +14,12 @@ from sqlalchemy import CursorResult, update
 from sqlalchemy.orm import Session
 
 from service.models import Worker
-from service.states import WorkerState
+from service.states import WorkerState, worker_may_move
+
+# The states each move may start from, read off the table: the bulk UPDATEs below apply it in
+# their WHERE clause, the ORM writers check it before they write.
+MAY_GO_ONLINE = [s.value for s in WorkerState if worker_may_move(s, WorkerState.ONLINE)]
+MAY_GO_OFFLINE = [s.value for s in WorkerState if worker_may_move(s, WorkerState.OFFLINE)]
 
 
 def upsert_worker(
@@ -35,6 +40,8 @@ def upsert_worker(
     if worker is None:
         worker = Worker(name=name, started_at=now)
         session.add(worker)
+    elif not worker_may_move(worker.state, WorkerState.ONLINE):
+        raise ValueError(f"worker {name} cannot go from {worker.state} to online")
     worker.address, worker.accelerator, worker.gpus = address, accelerator, gpus
     worker.state = WorkerState.ONLINE.value
     worker.session, worker.last_heartbeat, worker.started_at = session_id, now, now
@@ -47,14 +54,14 @@ def heartbeat(session: Session, name: str, session_id: str, now: datetime) -> bo
     """False when another process has taken this worker's name over (a newer session)."""
     result = session.execute(
         update(Worker)
-        .where(Worker.name == name, Worker.session == session_id)
+        .where(Worker.name == name, Worker.session == session_id, Worker.state.in_(MAY_GO_ONLINE))
         .values(last_heartbeat=now, state=WorkerState.ONLINE.value)
     )
     return cast(CursorResult[Any], result).rowcount == 1
 
 
 def mark_offline(session: Session, name: str, session_id: str | None = None) -> None:
-    query = update(Worker).where(Worker.name == name)
+    query = update(Worker).where(Worker.name == name, Worker.state.in_(MAY_GO_OFFLINE))
     if session_id is not None:
         query = query.where(Worker.session == session_id)
     session.execute(query.values(state=WorkerState.OFFLINE.value))
@@ -62,7 +69,7 @@ def mark_offline(session: Session, name: str, session_id: str | None = None) -> 
 
 def take_offline(worker: Worker) -> bool:
     """The reaper's verdict on a silent host; False when it is offline already."""
-    if worker.state != WorkerState.ONLINE:
+    if worker.state == WorkerState.OFFLINE or not worker_may_move(worker.state, WorkerState.OFFLINE):
         return False
     worker.state = WorkerState.OFFLINE.value
     return True

@@ -10,13 +10,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.config import Settings
 from service.db import Database
-from service.migrate import upgrade
 from service.models import Checkpoint, Job
-from service.scheduler.loop import run_pass
-from tests.factories import make_worker, set_job_state
+from tests.service.jobs.on_sqlite import api_client, move, schedule, settings_with_worker
 
 TOKEN = "tj_deps_admin_token_0123456789abcdef"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -25,16 +22,12 @@ ENTRY = {"kind": "builtin", "model": "mlp", "dataset": "digits"}
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    s = Settings(home=tmp_path, admin_token=TOKEN, heartbeat_timeout_s=3600)
-    upgrade(s)
-    with Database(s).transaction() as session:
-        make_worker(session, "w1", gpus=1)
-    return s
+    return settings_with_worker(tmp_path, TOKEN, gpus=1)
 
 
 @pytest.fixture
 def api(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, scheduler=False)) as client:
+    with api_client(settings) as client:
         yield client
 
 
@@ -45,20 +38,6 @@ def submit(api: TestClient, headers: dict[str, str] = ADMIN, **fields: object) -
 
 def job(api: TestClient, job_id: int) -> dict:
     return api.get(f"/v1/jobs/{job_id}", headers=ADMIN).json()
-
-
-def schedule(settings: Settings) -> None:
-    db = Database(settings)
-    run_pass(db, settings, dispatch=lambda _: None)
-    db.dispose()
-
-
-def move(settings: Settings, job_id: int, *states: str) -> None:
-    db = Database(settings)
-    for state in states:
-        with db.transaction() as s:
-            set_job_state(s, job_id, state)
-    db.dispose()
 
 
 def test_a_submit_names_existing_jobs_of_its_owner_that_can_still_meet_the_condition(api: TestClient) -> None:

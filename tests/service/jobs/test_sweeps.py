@@ -10,12 +10,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
 from service.config import Settings
-from service.db import Database
-from service.migrate import upgrade
-from service.scheduler.loop import run_pass
-from tests.factories import make_worker, set_job_state
+from tests.service.jobs.on_sqlite import api_client, move, schedule, settings_with_worker
 
 TOKEN = "tj_sweep_admin_token_0123456789abcdef"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -25,16 +21,12 @@ GRID = {"hyperparameters.lr": [0.1, 0.01], "hyperparameters.seed": [0, 1]}
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    s = Settings(home=tmp_path, admin_token=TOKEN, heartbeat_timeout_s=3600)
-    upgrade(s)
-    with Database(s).transaction() as session:
-        make_worker(session, "w1", gpus=4)
-    return s
+    return settings_with_worker(tmp_path, TOKEN, gpus=4)
 
 
 @pytest.fixture
 def api(settings: Settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, scheduler=False)) as client:
+    with api_client(settings) as client:
         yield client
 
 
@@ -52,20 +44,6 @@ def children(api: TestClient, parent: int) -> list[dict]:
     answer = api.get(f"/v1/jobs?parent={parent}&limit=500", headers=ADMIN)
     assert answer.status_code == 200, answer.text
     return sorted(answer.json()["items"], key=lambda j: j["id"])
-
-
-def schedule(settings: Settings) -> None:
-    db = Database(settings)
-    run_pass(db, settings, dispatch=lambda _: None)
-    db.dispose()
-
-
-def move(settings: Settings, job_id: int, *states: str) -> None:
-    db = Database(settings)
-    for state in states:
-        with db.transaction() as s:
-            set_job_state(s, job_id, state)
-    db.dispose()
 
 
 def all_jobs(api: TestClient) -> list[dict]:
