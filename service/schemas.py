@@ -7,26 +7,30 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+MAX_NESTING = 32  # lists and maps inside one request value (a sweep's grid values are free-form)
+
 
 def unstorable(value: Any) -> str | None:
     """Why a request value cannot be stored, or None: PostgreSQL refuses a NUL character in
     text, and a lone surrogate is not Unicode (no encoder, ours or the database's, takes it).
-    Looks through dict keys and values and lists, since specs nest free-form maps."""
-    if isinstance(value, str):
-        if "\x00" in value:
-            return "may not contain a NUL character"
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return "may not contain a lone surrogate (not valid Unicode)"
-        return None
-    if isinstance(value, dict):
-        items: list[Any] = [*value.keys(), *value.values()]
-    elif isinstance(value, list | tuple):
-        items = list(value)
-    else:
-        return None
-    return next((why for why in map(unstorable, items) if why), None)
+    Looks through dict keys and values and lists, since specs nest free-form maps; without
+    recursion, so that a value nested a thousand deep is refused, not a stack overflow."""
+    todo: list[tuple[Any, int]] = [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return "may not contain a NUL character"
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return "may not contain a lone surrogate (not valid Unicode)"
+        elif isinstance(item, dict | list | tuple):
+            if depth >= MAX_NESTING:
+                return f"may not nest lists and maps more than {MAX_NESTING} deep"
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else list(item)
+            todo.extend((child, depth + 1) for child in children)
+    return None
 
 
 def require_storable(value: Any) -> Any:
@@ -36,15 +40,17 @@ def require_storable(value: Any) -> Any:
     return value
 
 
-def json_safe(value: Any) -> Any:
+def json_safe(value: Any, depth: int = 0) -> Any:
     """`value` with every string encodable (a lone surrogate shown as its escape), so that an
-    error that quotes the bad input can itself be sent."""
+    error that quotes the bad input can itself be sent; cut at `MAX_NESTING` levels ("...")."""
     if isinstance(value, str):
         return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict | list | tuple) and depth >= MAX_NESTING:
+        return "..."
     if isinstance(value, dict):
-        return {json_safe(k): json_safe(v) for k, v in value.items()}
+        return {json_safe(k, depth + 1): json_safe(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
+        return [json_safe(v, depth + 1) for v in value]
     return value
 
 

@@ -16,13 +16,17 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
+# Columns and indexes only: on SQLite a new foreign key makes Alembic rebuild the `jobs` table,
+# and a rebuild drops the old table, which the cascading keys of every table that points at
+# `jobs` would follow (tests/service/test_migrations.py upgrades a populated database).
+
+
 def upgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.add_column(sa.Column("kind", sa.String(length=8), nullable=False, server_default="job"))
         batch.add_column(sa.Column("parent_id", sa.Integer(), nullable=True))
         batch.add_column(sa.Column("sweep_point", sa.JSON(), nullable=True))
         batch.add_column(sa.Column("sweep", sa.JSON(), nullable=True))
-        batch.create_foreign_key("fk_jobs_parent_id", "jobs", ["parent_id"], ["id"], ondelete="CASCADE")
         batch.create_index("ix_jobs_parent_id_id", ["parent_id", "id"])
         batch.create_index("ix_jobs_kind_state", ["kind", "state"])
 
@@ -31,7 +35,6 @@ def downgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.drop_index("ix_jobs_kind_state")
         batch.drop_index("ix_jobs_parent_id_id")
-        batch.drop_constraint("fk_jobs_parent_id", type_="foreignkey")
         batch.drop_column("sweep")
         batch.drop_column("sweep_point")
         batch.drop_column("parent_id")

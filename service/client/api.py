@@ -99,6 +99,18 @@ class Client:
     def get_code(self, code_id: str) -> dict[str, Any]:
         return self._get(f"/v1/code/{code_id}")
 
+    def add_webhook(self, body: dict[str, Any]) -> dict[str, Any]:
+        return _json(self.http.post("/v1/webhooks", json=body))
+
+    def list_webhooks(self) -> builtins.list[dict[str, Any]]:
+        return self._get("/v1/webhooks")["items"]
+
+    def delete_webhook(self, webhook_id: int) -> None:
+        _json(self.http.delete(f"/v1/webhooks/{webhook_id}"))
+
+    def webhook_deliveries(self, webhook_id: int, limit: int = 20) -> builtins.list[dict[str, Any]]:
+        return self._get(f"/v1/webhooks/{webhook_id}/deliveries", limit=limit)["items"]
+
     def list_code(self) -> builtins.list[dict[str, Any]]:
         return self._get("/v1/code")["items"]
 
@@ -283,7 +295,7 @@ def _json(resp: httpx.Response) -> Any:
         except (ValueError, AttributeError):
             detail = resp.text
         raise ApiError(resp.status_code, detail)
-    return resp.json()
+    return resp.json() if resp.status_code != 204 else None
 
 
 @dataclass(frozen=True)

@@ -225,7 +225,9 @@ def parse_sweep(items: list[str], max_parallel: int | None) -> dict[str, Any]:
         path, sep, raw = item.partition("=")
         if not sep or not path.strip() or not raw.strip():
             raise typer.BadParameter(f"--sweep takes PATH=V1,V2,..., got {item!r}")
-        grid[path.strip()] = [load_yaml(v.strip()) for v in raw.split(",")]
+        path = path.strip()
+        as_text = path.startswith(("env.", "labels."))  # their values are strings, whatever they look like
+        grid[path] = [v.strip() if as_text else load_yaml(v.strip()) for v in raw.split(",")]
     sweep: dict[str, Any] = {"grid": grid}
     if max_parallel is not None:
         sweep["max_parallel"] = max_parallel

@@ -4,22 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import httpx
 import typer
 
-from service.client.api import ApiError
 from service.client.commands import OutputOpt, TokenOpt, UrlOpt, api, emit, emit_list
-
-
-def _answer(resp: httpx.Response) -> Any:
-    """The body, or the API's error (the `api()` context turns it into exit 2 and the reason)."""
-    if resp.status_code >= 400:
-        try:
-            detail = resp.json().get("detail")
-        except (ValueError, AttributeError):
-            detail = resp.text
-        raise ApiError(resp.status_code, detail)
-    return resp.json() if resp.status_code != 204 else None
 
 
 def _events(value: str) -> list[str]:
@@ -50,7 +37,7 @@ def register(app: typer.Typer) -> None:
         if secret is not None:
             body["secret"] = secret
         with api(url_, token) as client:
-            made = _answer(client.http.post("/v1/webhooks", json=body))
+            made = client.add_webhook(body)
         if output == "json":
             emit(made, output)
         else:
@@ -61,7 +48,7 @@ def register(app: typer.Typer) -> None:
     def ls(url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table") -> None:
         """Your webhooks (the admin: everyone's)."""
         with api(url, token) as client:
-            items = _answer(client.http.get("/v1/webhooks"))["items"]
+            items = client.list_webhooks()
         emit_list(
             items,
             output,
@@ -80,7 +67,7 @@ def register(app: typer.Typer) -> None:
     def rm(webhook_id: int, url: UrlOpt = None, token: TokenOpt = None) -> None:
         """Delete a webhook; its pending deliveries are dropped with it."""
         with api(url, token) as client:
-            _answer(client.http.delete(f"/v1/webhooks/{webhook_id}"))
+            client.delete_webhook(webhook_id)
         typer.echo(f"webhook {webhook_id} deleted")
 
     @hooks.command("deliveries")
@@ -93,8 +80,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """A webhook's latest deliveries: status, tries, the last answer."""
         with api(url, token) as client:
-            resp = client.http.get(f"/v1/webhooks/{webhook_id}/deliveries", params={"limit": limit})
-            items = _answer(resp)["items"]
+            items = client.webhook_deliveries(webhook_id, limit)
         emit_list(
             items,
             output,

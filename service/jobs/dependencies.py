@@ -110,9 +110,9 @@ def fail_dependants(session: Session, job_id: int, what: str) -> None:
     while todo:
         failed_id, why = todo.pop()
         dependants = session.execute(
-            select(JobDependency.job_id).where(
-                JobDependency.depends_on_id == failed_id, JobDependency.condition == "succeeded"
-            )
+            select(JobDependency.job_id)
+            .where(JobDependency.depends_on_id == failed_id, JobDependency.condition == "succeeded")
+            .order_by(JobDependency.job_id)  # every writer locks jobs in id order: no deadlock cycle
         ).scalars()
         for dependant in list(dependants):
             job = lock_job(session, dependant)

@@ -21,6 +21,7 @@ from service.jobs.cached_reads import job_view_json
 from service.jobs.dependencies import resumes_from_dependency
 from service.jobs.schemas import EventList, JobList, JobOut, MetricsOut
 from service.jobs.spec import JobSpec
+from service.jobs.sweeps import expand_sweep
 from service.jobs.validation import resume_target
 from service.schemas import MAX_ID
 
@@ -40,9 +41,17 @@ def resume_checked_spec(
     """The spec, with the file it resumes from checked before the request's transaction begins:
     that check may load the file for seconds, and on SQLite that transaction holds the write
     lock. The handler resolves the checkpoint again under its lock; the verdict is remembered."""
-    if spec.resume_from is not None and not resumes_from_dependency(spec):
+    specs = [child.spec for child in expand_sweep(spec)] if spec.sweep is not None else [spec]
+    seen: set[str] = set()
+    for one in specs:  # a sweep's points may each resume from another file
+        if one.resume_from is None or resumes_from_dependency(one):
+            continue
+        key = one.resume_from.model_dump_json()
+        if key in seen:
+            continue
+        seen.add(key)
         with db.read() as session:
-            target = resume_target(session, spec, current_user(session, creds), lock=False)
+            target = resume_target(session, one, current_user(session, creds), lock=False)
         if target is not None:
             check_resumable(storage, settings, *target)
     return spec

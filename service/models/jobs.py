@@ -50,9 +50,7 @@ class Job(Base):
     # contract §10: "sweep" for a sweep's parent (it never runs; its state follows its
     # children), "job" for everything else, a sweep's children included
     kind: Mapped[str] = mapped_column(String(8), default="job", server_default="job")
-    parent_id: Mapped[int | None] = mapped_column(
-        ForeignKey("jobs.id", ondelete="CASCADE", name="fk_jobs_parent_id")
-    )
+    parent_id: Mapped[int | None] = mapped_column(Integer)  # no foreign key: see migration 0009
     sweep_point: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # a child's {path: value}
     sweep: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the parent's {"grid", "max_parallel"}
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)

@@ -88,10 +88,16 @@ def run_pass(
     return sent
 
 
+_LIVE_SWEEP = select(Job.id).where(Job.kind == SWEEP, Job.state.in_((JobState.RUNNING, CANCELLING))).limit(1)
+
+
 def settle(db: Database) -> None:
     """Sweep parents follow their children (contract §10), in a transaction of their own: it
     locks parents, and the pass above locks children (`service.jobs.sweeps`, lock order)."""
     try:
+        with db.read() as session:  # no sweep alive: no write transaction (SQLite's lock)
+            if not session.execute(_LIVE_SWEEP).first():
+                return
         with db.transaction() as session:
             settle_sweeps(session)
     except (IntegrityError, OperationalError) as exc:

@@ -381,8 +381,14 @@
       if (job.parent_id && shown.has(job.parent_id)) continue; // inside its sweep's row
       rows.push(jobRow(job));
       if (job.sweep && openSweeps.has(job.id)) {
-        const kids = await getJson(`/v1/jobs?parent=${job.id}&limit=500`, { signal });
-        rows.push(childrenRow(job, kids.items));
+        const kids = [];
+        let cursor = "";
+        do { // a sweep has up to 1,000 children: every page
+          const page = await getJson(`/v1/jobs?parent=${job.id}&limit=500${cursor ? `&cursor=${cursor}` : ""}`, { signal });
+          kids.push(...page.items);
+          cursor = page.next_cursor || "";
+        } while (cursor);
+        rows.push(childrenRow(job, kids));
       }
     }
     $("jobs-body").replaceChildren(...rows);

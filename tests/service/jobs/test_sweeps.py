@@ -210,3 +210,12 @@ def test_a_sweep_may_wait_for_a_job_and_a_job_for_a_sweep(api: TestClient, setti
     assert {k["state"] for k in children(api, parent["id"])} == {"failed"}
     assert job(api, parent["id"])["state"] == "failed"
     assert job(api, after["id"])["state"] == "failed"
+
+
+def test_a_grid_value_nested_past_the_limit_is_a_422_not_a_crash(api: TestClient) -> None:
+    deep: object = "x"
+    for _ in range(700):  # the JSON parser takes it; a recursive check would not
+        deep = [deep]
+    code, body = submit(api, sweep={"grid": {"name": [deep]}})
+    assert code == 422 and "nest" in str(body["detail"]), body
+    assert all_jobs(api) == []
