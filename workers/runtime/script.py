@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from workers.runtime.cpus import describe, use_slot_cpus
+from workers.runtime.cpus import use_slot_cpus
 from workers.runtime.env import runtime_env
 from workers.runtime.preflight import run_preflight
 from workers.runtime.stacks import allow_stack_dumps
@@ -35,9 +35,9 @@ def main(argv: list[str]) -> None:
     path = Path(argv[0])
     allow_stack_dumps()  # a silent job's stack, when py-spy cannot attach (contract §8)
     env = runtime_env()
-    cpus = use_slot_cpus(env)  # a CPU rank's share of the worker's cores, before the script runs
-    if cpus is not None:
-        print(f"[torchjobs rank {env.rank}] {describe(cpus)}", file=sys.stderr, flush=True)
+    # A CPU rank's share of the worker's cores, before the script runs; silently: the script's
+    # output is the user's, byte for byte (tests/service/streams/test_logs.py).
+    use_slot_cpus(env)
     preflight()
     sys.argv = [str(path), *argv[1:]]
     sys.path[0] = str(path.resolve().parent)
