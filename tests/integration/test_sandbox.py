@@ -11,12 +11,15 @@ the admin token there, so a clean log means the wall held, not that the probe wa
 
 from __future__ import annotations
 
+import hashlib
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from service.client.api import Client
 from service.testing import harness
 from service.testing.harness import ADMIN_TOKEN, SCRIPTS, Stack
 
@@ -250,3 +253,133 @@ def test_a_rank_sees_a_private_view_and_runs_as_another_user(walled: Stack) -> N
         "TORCHJOBS_CHECKPOINT_DIR", "TORCHJOBS_EVENTS", "TORCHJOBS_JOB_ID",
         "TORCHJOBS_PREFLIGHT_TIMEOUT_S", "TORCHJOBS_SLOTS", "TORCHJOBS_WORKER_SLOTS",
     }  # fmt: skip
+
+
+# ---------------------------------------------------------------- a job's code and environment
+
+HOLDER = """
+import hashlib
+import os
+import sys
+import time
+
+import tabulate
+
+def digest(path):
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+
+mine, theirs = digest("data.txt"), digest(tabulate.__file__)  # readable: its code and its environment
+print(f"HOLDING tabulate={tabulate.__file__} data={mine}", flush=True)
+deadline = time.monotonic() + 240
+while not os.path.exists("release"):  # the test makes it, from the host, once the other job ended
+    if time.monotonic() > deadline:
+        sys.exit("never released")
+    time.sleep(0.2)
+intact = digest("data.txt") == mine and digest(tabulate.__file__) == theirs
+print(f"INTACT {intact} {sorted(os.listdir('.'))}", flush=True)
+"""
+
+WRITER = """
+import errno
+import os
+
+import tabulate
+
+print(f"WRITER tabulate={tabulate.__file__}", flush=True)
+
+def first_file(folder):
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            return os.path.join(root, name)
+    return os.path.join(folder, "__init__.py")  # none seen: try a name anyway
+
+def attempts(folder):
+    yield "create", lambda: open(os.path.join(folder, "intruder.txt"), "x").write("x")
+    yield "mkdir", lambda: os.mkdir(os.path.join(folder, "intruder"))
+    yield "overwrite", lambda: open(first_file(folder), "r+b").write(b"#")
+    yield "delete", lambda: os.unlink(first_file(folder))
+
+for folder in filter(None, os.environ["TARGETS"].split(":")):
+    for how, attempt in attempts(folder):
+        try:
+            attempt()
+            print(f"TRY {folder} {how} WROTE", flush=True)
+        except OSError as exc:
+            print(f"TRY {folder} {how} refused {errno.errorcode.get(exc.errno, exc.errno)}", flush=True)
+"""
+
+
+def _push(stack: Stack, token: str, folder: Path, files: dict[str, str]) -> str:
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    with Client(stack.url, token) as client:
+        return str(client.push_code(folder)["id"])
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_jobs_code_and_environment_are_read_only_to_another_users_job(
+    walled: Stack, tmp_path: Path
+) -> None:
+    """Alice's job reads its code copy and its built environment and keeps running; Bob's job,
+    with the very same `environment.pip` (so the very same environment folder, which every
+    sandbox sees read-only), tries to create, overwrite and delete files in it, in Alice's code
+    copy and in the worker's unpacked copy of her code. Every try is refused, and nothing of
+    hers changed. Both run as the same sandbox user: what stops Bob is the mounts, not the uid."""
+    alice, bob = _user(walled, f"erin{walled.port}"), _user(walled, f"frank{walled.port}")
+    pip = {"pip": ["tabulate==0.10.0"]}
+    hers = _push(walled, alice, tmp_path / "hers", {"hold.py": HOLDER, "data.txt": "alice's data\n"})
+    his = _push(walled, bob, tmp_path / "his", {"write.py": WRITER})
+    script = {"kind": "script", "path": "hold.py", "args": []}
+    holding = walled.submit({"mode": "single", "code": hers, "entrypoint": script, "environment": pip}, alice)
+
+    def holding_log() -> str:
+        with walled.client(alice) as c:
+            return c.get(f"/v1/jobs/{holding['id']}/logs").text
+
+    found = harness.wait_for(
+        lambda: re.search(r"HOLDING tabulate=(\S+)", holding_log()), 240, "alice's job to hold"
+    )
+    site = Path(found[1]).parent  # ENVS/KEY/site/tabulate: the same path on the host and inside
+    environment = site.parent.parent
+    assert environment.parent == walled.home / "cache" / "envs", site
+    (copy,) = walled.home.glob(f"runs/*/job-{holding['id']}/attempt-*/node-0/workdir")
+    cached = walled.home / "cache" / "code" / hers
+    assert (copy / "data.txt").is_file() and (cached / "data.txt").is_file()
+    before = {folder: _hashes(folder) for folder in (environment, copy, cached)}
+    targets = [site, site.parent, environment.parent, copy, cached]
+
+    spec = {
+        "mode": "single",
+        "code": his,
+        "entrypoint": {"kind": "script", "path": "write.py", "args": []},
+        "environment": pip,
+        "env": {"TARGETS": ":".join(map(str, targets))},
+    }
+    writer = walled.wait_job(walled.submit(spec, bob)["id"])
+    assert writer["state"] == "succeeded", walled.describe(writer["id"])
+    log = _logs(walled, writer, bob)
+    assert f"WRITER tabulate={site}/__init__.py" in log  # he reads her environment: it is shared
+    tries = re.findall(r"^TRY (\S+) (\w+) (.+)$", log, re.MULTILINE)
+    assert len(tries) == 4 * len(targets), log
+    for folder, how, result in tries:
+        assert "WROTE" not in result, (folder, how)
+        if folder in (str(site), str(site.parent), str(environment.parent)):
+            assert result in ("refused EROFS", "refused EACCES"), (folder, how, result)  # seen, read-only
+        else:  # her code copy and the worker's cache are not even in his view
+            assert result in ("refused ENOENT", "refused EROFS", "refused EACCES"), (folder, how, result)
+    assert {folder: _hashes(folder) for folder in before} == before
+    assert not list(walled.home.rglob("intruder*"))
+
+    (copy / "release").touch()
+    done = walled.wait_job(holding["id"])
+    assert done["state"] == "succeeded", walled.describe(holding["id"])
+    assert "INTACT True ['data.txt', 'hold.py', 'release']" in holding_log()

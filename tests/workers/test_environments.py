@@ -49,7 +49,7 @@ def test_what_the_worker_has_is_not_installed_again(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("requirement", "reason"),
     [
-        ("torchvision==0.19.0", "torch"),  # it needs torch 2.4.0: the worker's torch stays
+        ("torchvision==0.19.0", "torch==2.4.0"),  # its own dependency; the worker's torch stays
         (f"packaging=={'0.1'}", "packaging"),  # another version of one of the worker's packages
         ("nosuchpackage-torchjobs-xyz==1.0", "not found"),
     ],

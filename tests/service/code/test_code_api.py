@@ -1,5 +1,7 @@
 """Code archives over the API (contract §6): upload, dedup, ownership, and every hostile
-archive refused with the member named and nothing kept anywhere."""
+archive refused with the member named and nothing kept anywhere: not in the storage, not in the
+server's temporary files, and not in a worker's code cache, which checks each archive again
+before it unpacks one (workers/code_cache.py) in case one reached the storage another way."""
 
 from __future__ import annotations
 
@@ -8,15 +10,20 @@ import hashlib
 import io
 import os
 import tarfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from service.app import create_app
+from service.code.service import storage_key
 from service.config import Settings
 from service.migrate import upgrade
+from service.storage import Storage
+from workers.code_cache import CodeUnavailable, unpacked_code
 
 TOKEN = "tj_code_admin_token_0123456789abcdef"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -63,7 +70,7 @@ def user(api: TestClient, name: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {created.json()['token']}"}
 
 
-def upload(api: TestClient, data: bytes, headers: dict[str, str], name: str = "proj") -> object:
+def upload(api: TestClient, data: bytes, headers: dict[str, str], name: str = "proj") -> httpx.Response:
     return api.post(
         "/v1/code",
         params={"name": name},
@@ -79,6 +86,34 @@ def nothing_kept(settings: Settings) -> None:
         list((settings.home / "tmp" / "code").glob("*")) if (settings.home / "tmp" / "code").exists() else []
     )
     assert partials == []
+    cached = list(settings.cache_dir.rglob("*")) if settings.cache_dir.exists() else []
+    assert cached == []  # the API server never writes into a worker's code cache
+
+
+def _files_under(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if not p.is_dir()}
+
+
+def the_worker_refuses_it_too(settings: Settings, data: bytes, name: str) -> None:
+    """A worker handed these bytes anyway (put straight into a storage of its own, as if they
+    had got there without the API) refuses them naming `name`, and leaves nothing in its code
+    cache (`settings.cache_dir`) or anywhere else under its home: no unpacked folder, no staging
+    folder, no partial download, no file a member named. What stays is the 0-byte lock file
+    the unpacking takes (one per archive id, reused by the next node that wants it)."""
+    sha = hashlib.sha256(data).hexdigest()
+    storage = Storage(f"file://{settings.home / 'worker-storage'}")
+    local = storage.local_path(storage_key(sha))
+    assert local is not None
+    Path(local).parent.mkdir(parents=True, exist_ok=True)
+    Path(local).write_bytes(data)
+    before = _files_under(settings.home)
+    with pytest.raises(CodeUnavailable) as refused:
+        unpacked_code(settings, storage, sha, storage_key(sha))
+    assert "refused" in str(refused.value) and name in str(refused.value)
+    lock = settings.cache_dir / "code" / f".{sha}.lock"
+    assert sorted(settings.cache_dir.rglob("*")) == [settings.cache_dir / "code", lock]
+    assert lock.stat().st_size == 0
+    assert _files_under(settings.home) - before == {lock}
 
 
 def test_upload_is_content_addressed_and_owned(api: TestClient) -> None:
@@ -171,6 +206,7 @@ def test_a_hostile_archive_is_refused_naming_the_member(
     assert name in answer.json()["detail"][0]["msg"]
     assert api.get("/v1/code", headers=ADMIN).json() == {"items": []}
     nothing_kept(settings)
+    the_worker_refuses_it_too(settings, data, name)
 
 
 def test_a_gzip_bomb_stops_at_the_limit(api: TestClient, settings: Settings) -> None:
@@ -184,6 +220,7 @@ def test_a_gzip_bomb_stops_at_the_limit(api: TestClient, settings: Settings) -> 
     answer = upload(api, bomb, ADMIN)
     assert answer.status_code == 422 and "zeros.bin" in answer.json()["detail"][0]["msg"]
     nothing_kept(settings)
+    the_worker_refuses_it_too(settings, bomb, "zeros.bin")
 
 
 def test_too_many_members_and_bodies_that_are_not_archives(api: TestClient, settings: Settings) -> None:
@@ -194,6 +231,54 @@ def test_too_many_members_and_bodies_that_are_not_archives(api: TestClient, sett
         answer = upload(api, body, ADMIN)
         assert answer.status_code == 422, (body[:10], answer.text)
     nothing_kept(settings)
+    the_worker_refuses_it_too(settings, many, "more than 1000 members")
+
+
+def empty_files(count: int) -> bytes:
+    """A .tar.gz of `count` empty files f/000000, f/000001, ..., streamed through zlib.
+
+    tarfile makes the one header; each member is that header with its name and checksum
+    rewritten (what `tarfile.addfile` would write for it), about 40 times faster than calling
+    `addfile` 200,000 times."""
+    template = bytearray(tarfile.TarInfo("f/000000").tobuf(format=tarfile.USTAR_FORMAT))
+    assert len(template) == tarfile.BLOCKSIZE and template[0:9] == b"f/000000\0"
+    rest = sum(template) - sum(template[148:156]) + 8 * ord(" ") - sum(b"f/000000")
+    gz = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)  # a gzip stream
+    out = io.BytesIO()
+    for i in range(count):
+        name = b"f/%06d" % i
+        template[0:8] = name
+        template[148:156] = b"%06o\0 " % (rest + sum(name))
+        out.write(gz.compress(template))
+    out.write(gz.compress(bytes(2 * tarfile.BLOCKSIZE)))  # the end-of-archive marker
+    out.write(gz.flush())
+    return out.getvalue()
+
+
+def test_two_hundred_thousand_empty_files_at_the_default_member_limit(tmp_path: Path) -> None:
+    defaults = Settings(home=tmp_path, admin_token=TOKEN)  # every TORCHJOBS_MAX_CODE_* at its default
+    limit = defaults.max_code_members
+    assert limit == Settings.model_fields["max_code_members"].default  # not one set in the environment
+    data = empty_files(200_000)
+    raw = gzip.decompress(data)  # what was built is what was meant: 200,000 valid headers
+    assert len(raw) == 200_000 * tarfile.BLOCKSIZE + 2 * tarfile.BLOCKSIZE
+    for i in (0, 1, 99_999, 100_000, 199_999):
+        header = tarfile.TarInfo.frombuf(raw[i * 512 : (i + 1) * 512], "utf-8", "surrogateescape")  # checksum
+        assert (header.name, header.size, header.type) == (f"f/{i:06d}", 0, tarfile.REGTYPE)
+    upgrade(defaults)
+    with TestClient(create_app(defaults, scheduler=False)) as api:
+        answer = upload(api, data, ADMIN)
+        if limit >= 200_000:  # a default that takes them: the archive is stored, all of it counted
+            assert answer.status_code == 201, answer.text
+            assert answer.json()["files"] == 200_000
+            return
+        assert answer.status_code == 422, answer.text
+        (error,) = answer.json()["detail"]
+        assert error["msg"] == f"f/{limit:06d}: the archive has more than {limit} members"
+        assert error["loc"] == ["body", "archive", f"f/{limit:06d}"]  # the first member past the limit
+        assert api.get("/v1/code", headers=ADMIN).json() == {"items": []}
+    nothing_kept(defaults)
+    the_worker_refuses_it_too(defaults, data, f"more than {limit} members")
 
 
 def test_past_the_compressed_limit_is_a_413(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.client.api import Client
 from service.testing import harness
 from service.testing.harness import ADMIN_TOKEN, TERMINAL, Stack, wait_for
 
@@ -324,3 +325,50 @@ def test_a_sweep_is_one_row_that_opens_to_its_children_and_their_losses(stack: S
         assert f"{kid['progress']['loss']:.4g}"[:4] in text, (text, kid["progress"])
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard-sweep.png"), full_page=True)
+
+
+def test_the_job_view_shows_its_code_and_environment(stack: Stack, page: Any, tmp_path: Path) -> None:
+    """Contract §6 on the dashboard: a job's view names the code it runs (the uploaded archive's
+    id) and its `environment.pip`, as the API has them."""
+    folder = tmp_path / "dashproj"
+    folder.mkdir()
+    (folder / "hello.py").write_text("import tabulate\nprint(tabulate.tabulate([[1, 2]]))\n")
+    with Client(stack.url, ADMIN_TOKEN) as client:
+        code = client.push_code(folder)["id"]
+    spec = {
+        "name": "own-code",
+        "mode": "single",
+        "code": code,
+        "entrypoint": {"kind": "script", "path": "hello.py", "args": []},
+        "environment": {"pip": ["tabulate==0.10.0"]},
+    }
+    job = stack.submit(spec)
+    assert (job["code"], job["environment"]) == (code, {"pip": ["tabulate==0.10.0"]})  # the view's data
+    page.set_default_timeout(30_000)
+    page.goto(f"{stack.url}/")
+    page.fill("#token", ADMIN_TOKEN)
+    page.click("#signin-form button[type=submit]")
+    page.wait_for_selector("#view-home:not([hidden])")
+    page.goto(f"{stack.url}/#/jobs/{job['id']}")
+    page.wait_for_selector(f"#job-title:has-text('Job #{job['id']}')")
+
+    def facts() -> dict[str, str]:
+        return dict(
+            page.evaluate(
+                """() => [...document.querySelectorAll('#job-facts dt')].map(
+                    (dt) => [dt.textContent, dt.nextElementSibling.textContent])"""
+            )
+        )
+
+    shown = facts()
+    assert shown["code"] == code, shown
+    assert shown["environment"] == "pip: tabulate==0.10.0", shown
+    assert shown["entrypoint"] == "script hello.py", shown
+    assert stack.wait_job(job["id"])["state"] == "succeeded", stack.describe(job["id"])
+    wait_for(lambda: page.inner_text("#job-state") == "succeeded", 30, "the page to see the job end")
+    assert {k: v for k, v in facts().items() if k in ("code", "environment")} == {
+        "code": code,
+        "environment": "pip: tabulate==0.10.0",
+    }
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-own-code.png"), full_page=True)
