@@ -1,16 +1,20 @@
 """The floor of the API benchmark: a bare FastAPI app served by uvicorn exactly as `torchjobs
 server` serves its app (service/cli/processes.py `run_server`).
 
-    python -m bench.bare_app PORT
+    python -m bench.bare_app PORT [PAGE_JSON]
 
 Routes are plain `def` functions like most of torchjobs' own, so both pay FastAPI's thread-pool
 hop: `GET /v1/things/{id}` returns a small JSON dict, `POST /v1/things` parses a small pydantic
 body. `GET /v1/async-things/{id}` is the same GET as an `async def`, with no hop.
+`GET /v1/things` answers the JSON of a page of `GET /v1/jobs`, read from the file
+`python -m bench.bare_app PORT PAGE_JSON` names.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -53,7 +57,20 @@ def post_thing(body: Body) -> dict[str, Any]:
     return {"id": 1, "state": "queued", **body.model_dump()}
 
 
+# `GET /v1/things`: the same JSON as a page of `GET /v1/jobs`, which the benchmark saves to the
+# file named by the second argument before it starts this app; a `def` returning it as Python
+# data, which FastAPI encodes, as any endpoint that builds its answer does.
+PAGE: dict[str, Any] = {}
+
+
+@app.get("/v1/things")
+def list_things() -> dict[str, Any]:
+    return PAGE
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 2:
+        PAGE.update(json.loads(Path(sys.argv[2]).read_text()))
     uvicorn.run(
         app,
         host="127.0.0.1",

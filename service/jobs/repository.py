@@ -34,6 +34,19 @@ _LATEST_CHECKPOINTS_OF = select(Checkpoint).where(
     )
 )
 
+# The queued jobs ahead of one: higher priority, or the same and older.
+_QUEUED_AHEAD_OF = (
+    select(func.count())
+    .select_from(Job)
+    .where(
+        Job.state == JobState.QUEUED.value,
+        or_(
+            Job.priority > bindparam("priority"),
+            and_(Job.priority == bindparam("priority"), Job.id < bindparam("job_id")),
+        ),
+    )
+)
+
 
 def get_job(session: Session, job_id: int, owner_id: int | None) -> Job | None:
     """`owner_id=None` is the admin's view: every job."""
@@ -48,16 +61,17 @@ def get_by_idempotency_key(session: Session, owner_id: int, key: str) -> Job | N
     ).scalar_one_or_none()
 
 
-def list_jobs(
+def list_job_ids(
     session: Session,
     owner_id: int | None,
     state: str | None,
     limit: int,
     before_id: int | None,
     parent_id: int | None = None,
-) -> Sequence[Job]:
-    """Newest first by id; keyset pagination so page N costs what page 1 costs."""
-    query = select(Job).order_by(Job.id.desc()).limit(limit)
+) -> list[int]:
+    """Newest first by id; keyset pagination so page N costs what page 1 costs. Run on the
+    session's connection (Core): a column of ids needs none of the ORM's result handling."""
+    query = select(Job.id).order_by(Job.id.desc()).limit(limit)
     if parent_id is not None:
         query = query.where(Job.parent_id == parent_id)
     if owner_id is not None:
@@ -66,7 +80,15 @@ def list_jobs(
         query = query.where(Job.state == state)
     if before_id is not None:
         query = query.where(Job.id < before_id)
-    return session.execute(query).scalars().all()
+    return list(session.connection().execute(query).scalars())
+
+
+def jobs_by_ids(session: Session, job_ids: Sequence[int]) -> list[Job]:
+    """The jobs, in the order of `job_ids` (those that exist)."""
+    if not job_ids:
+        return []
+    found = {j.id: j for j in session.execute(select(Job).where(Job.id.in_(job_ids))).scalars()}
+    return [found[i] for i in job_ids if i in found]
 
 
 def owner_names(session: Session, owner_ids: set[int]) -> dict[int, str]:
@@ -103,14 +125,8 @@ def queue_positions(session: Session, jobs: Sequence[Job]) -> dict[int, int]:
         return {}
     if len(queued) == 1:
         job = queued[0]
-        ahead = session.execute(
-            select(func.count())
-            .select_from(Job)
-            .where(
-                Job.state == JobState.QUEUED,
-                or_(Job.priority > job.priority, and_(Job.priority == job.priority, Job.id < job.id)),
-            )
-        ).scalar_one()
+        params = {"priority": job.priority, "job_id": job.id}
+        ahead = session.connection().execute(_QUEUED_AHEAD_OF, params).scalar_one()
         return {job.id: int(ahead) + 1}
     ranked = (
         select(Job.id, func.row_number().over(order_by=(Job.priority.desc(), Job.id)).label("position"))

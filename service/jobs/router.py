@@ -17,7 +17,7 @@ from service.api.deps import (
 )
 from service.checkpoints.resume_check import check_resumable
 from service.jobs import service
-from service.jobs.cached_reads import job_view_json
+from service.jobs.cached_reads import job_list_json, job_view_json
 from service.jobs.dependencies import resumes_from_dependency
 from service.jobs.schemas import EventList, JobList, JobOut, MetricsOut
 from service.jobs.spec import JobSpec
@@ -80,19 +80,24 @@ def submit_job(
         background.add_task(wake_scheduler, request)  # runs after the commit and the response
     if not created:
         response.status_code = 200
-    return service.job_views(session, [job], viewer=user)[0]
+    return service.job_views(session, [job], viewer=user, created=created)[0]
 
 
 @router.get("", response_model=JobList)
-def list_jobs(
-    session: SessionDep,
-    user: UserDep,
+async def list_jobs(
+    request: Request,
+    db: DbDep,
+    creds: PresentedCreds,
     state: Annotated[str | None, Query(max_length=16)] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=32)] = None,
     parent: Annotated[int | None, Query(ge=1, le=MAX_ID, description="a sweep's id: its children")] = None,
-) -> JobList:
-    return service.list_jobs(session, user, state, limit, cursor, parent)
+) -> Response:
+    """Newest first. The page is assembled from the job-view cache's rendered jobs where it
+    holds them, in one thread-pool hop (`service.jobs.cached_reads`)."""
+    query = service.ListQuery(state=state, limit=limit, cursor=cursor, parent=parent)
+    body = await job_list_json(db, request.app.state.view_cache, creds, query)
+    return Response(body, media_type="application/json")
 
 
 @router.get("/{job_id}", response_model=JobOut)

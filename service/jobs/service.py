@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -22,7 +23,6 @@ from service.jobs.schemas import (
     Assignment,
     AttemptOut,
     EventOut,
-    JobList,
     JobOut,
     MetricsOut,
     Progress,
@@ -52,6 +52,16 @@ from service.schemas import MAX_ID, checkpoint_out
 from service.states import JobState
 from service.storage import Storage
 from service.usage.accounting import attempt_gpu_seconds
+
+
+class Viewer(Protocol):
+    """Who is looking: a `User`, or the view cache's record of one."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
 
 
 def submit_job(
@@ -152,24 +162,28 @@ def get_job(session: Session, user: User, job_id: int) -> Job:
     return job
 
 
-def list_jobs(
-    session: Session,
-    user: User,
-    state: str | None,
-    limit: int,
-    cursor: str | None,
-    parent: int | None = None,
-) -> JobList:
-    """Newest first; `parent`: a sweep's children only (404 when that job is not the caller's)."""
-    if state is not None and state not in ALL_STATES:
+@dataclass(frozen=True, slots=True)
+class ListQuery:
+    """What `GET /v1/jobs` asks for; `parent`: a sweep's children only."""
+
+    state: str | None = None
+    limit: int = 50
+    cursor: str | None = None
+    parent: int | None = None
+
+
+def list_job_ids(session: Session, owner_id: int | None, query: ListQuery) -> tuple[list[int], str | None]:
+    """The ids of one page, newest first, and the cursor of the next (None on the last page).
+    `owner_id=None`: every owner's (the admin's view); a `parent` that is not the caller's is a
+    404, as if it did not exist."""
+    if query.state is not None and query.state not in ALL_STATES:
         raise InvalidSpec(("state",), f"unknown state; one of {', '.join(ALL_STATES)}")
-    before = _parse_cursor(cursor)
-    if parent is not None:
-        get_job(session, user, parent)
-    jobs = repo.list_jobs(session, None if user.is_admin else user.id, state, limit + 1, before, parent)
-    page = list(jobs[:limit])
-    next_cursor = str(page[-1].id) if len(jobs) > limit and page else None
-    return JobList(items=job_views(session, page, viewer=user), next_cursor=next_cursor)
+    before = _parse_cursor(query.cursor)
+    if query.parent is not None and repo.get_job(session, query.parent, owner_id) is None:
+        raise NotFound("job")
+    ids = repo.list_job_ids(session, owner_id, query.state, query.limit + 1, before, query.parent)
+    page = ids[: query.limit]
+    return page, str(page[-1]) if len(ids) > query.limit and page else None
 
 
 def _parse_cursor(cursor: str | None) -> int | None:
@@ -248,11 +262,14 @@ def sweep_out(job: Job) -> SweepOut | None:
     )
 
 
-def job_views(session: Session, jobs: Sequence[Job], viewer: User | None = None) -> list[JobOut]:
+def job_views(
+    session: Session, jobs: Sequence[Job], viewer: Viewer | None = None, created: bool = False
+) -> list[JobOut]:
     """Assemble Job responses with one query per related table, not one per job.
 
     Tables whose answer is known are not asked: the owner's name when every job is the
-    viewer's own, node runs when every job is queued (a queued job shows no assignments)."""
+    viewer's own, node runs when every job is queued (a queued job shows no assignments), and
+    attempts and checkpoints of jobs `created` in this very transaction (none can exist yet)."""
     if not jobs:
         return []
     ids = {j.id for j in jobs}
@@ -265,11 +282,11 @@ def job_views(session: Session, jobs: Sequence[Job], viewer: User | None = None)
         )
     attempts: dict[int, list[AttemptOut]] = {}
     now = utcnow()
-    for att in repo.attempts_for(session, ids):
+    for att in repo.attempts_for(session, ids) if not created else []:
         out = AttemptOut.model_validate(att)
         out.gpu_seconds = round(attempt_gpu_seconds(att, now), 3)
         attempts.setdefault(att.job_id, []).append(out)
-    latest = repo.latest_checkpoints(session, ids)
+    latest = repo.latest_checkpoints(session, ids) if not created else {}
     positions = repo.queue_positions(session, jobs)
     return [
         JobOut(
@@ -313,7 +330,7 @@ def job_views(session: Session, jobs: Sequence[Job], viewer: User | None = None)
     ]
 
 
-def _owner_names(session: Session, jobs: Sequence[Job], viewer: User | None) -> dict[int, str]:
+def _owner_names(session: Session, jobs: Sequence[Job], viewer: Viewer | None) -> dict[int, str]:
     owner_ids = {j.owner_id for j in jobs}
     if viewer is not None and owner_ids == {viewer.id}:
         return {viewer.id: viewer.name}

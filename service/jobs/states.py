@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, delete, select, update
+from sqlalchemy import Row, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import Conflict
@@ -100,17 +100,25 @@ def append_attempt_events(
     return row
 
 
+_INSERT_EVENT = insert(JobEvent)
+
+
 def _add_events(
     session: Session, job_id: int, last: int, items: list[tuple[str, dict[str, Any]]]
 ) -> list[JobEvent]:
+    """The rows go in through Core, on the session's connection: an event is never changed
+    after it is written, so the unit of work's bookkeeping (a third of a submit's CPU with it)
+    buys nothing. The objects returned are not in the session."""
     now = utcnow()
     first = last - len(items) + 1
     events = [
         JobEvent(job_id=job_id, seq=first + i, ts=now, type=type_, data=data)
         for i, (type_, data) in enumerate(items)
     ]
-    session.add_all(events)
-    session.flush()
+    session.connection().execute(
+        _INSERT_EVENT,
+        [{"job_id": job_id, "seq": e.seq, "ts": now, "type": e.type, "data": e.data} for e in events],
+    )
     enqueue_webhooks(session, job_id, events)  # contract §10: the outbox, in this transaction
     mark_events(session, job_id)
     return events
@@ -121,9 +129,10 @@ def create_job(session: Session, job: Job, reason: str = "submitted") -> JobEven
     now = utcnow()
     job.state = JobState.QUEUED.value
     job.created_at = job.queued_at = now
+    job.last_event_seq = 1  # its first event's, written with the row: no `UPDATE … + 1`
     session.add(job)
     session.flush()
-    return append_event(session, job.id, "state", {"state": job.state, "reason": reason})
+    return _add_events(session, job.id, 1, [("state", {"state": job.state, "reason": reason})])[0]
 
 
 def transition_job(session: Session, job: Job, new_state: str, reason: str | None = None) -> JobEvent:

@@ -345,6 +345,10 @@ def _pick_port(settings: Settings, busy: set[int]) -> int:
     raise RuntimeError("no free rendezvous port")
 
 
+REST_PER_PASS = 2.0
+MAX_REST_S = 1.0
+
+
 class SchedulerThread(threading.Thread):
     """Runs passes every `scheduler_interval_s`, or at once when `wake()` is called."""
 
@@ -367,10 +371,12 @@ class SchedulerThread(threading.Thread):
     def run(self) -> None:
         while not self._stopping.is_set():
             pause = self.settings.scheduler_interval_s
+            took = 0.0
             try:
                 started = time.perf_counter()
                 run_pass(self.db, self.settings, self.dispatch, self.throttle, self.outages)
-                self.observe_pass(time.perf_counter() - started)
+                took = time.perf_counter() - started
+                self.observe_pass(took)
                 if not has_waiting_work(self.db):
                     pause = max(pause, self.settings.scheduler_idle_interval_s)
             except OperationalError as exc:  # the database away (has_waiting_work; run_pass catches its own)
@@ -378,6 +384,11 @@ class SchedulerThread(threading.Thread):
                 log.warning("scheduler: database unreachable (%s)", exc.__class__.__name__)
             except Exception:  # keep scheduling whatever one pass hit
                 log.exception("scheduler pass failed")
+            # Rest twice as long as the pass took before a wake may start the next: a stream
+            # of submits against a long queue (each one a wake, each pass reading the whole
+            # queue) then costs at most a third of the process's CPU, not all of it, and a
+            # short queue's pass (milliseconds) is as prompt as before.
+            self._stopping.wait(min(REST_PER_PASS * took, MAX_REST_S))
             self._wake.wait(pause)
             self._wake.clear()
 

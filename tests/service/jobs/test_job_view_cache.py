@@ -194,6 +194,61 @@ def test_queued_jobs_are_read_every_time(app: App) -> None:
     assert app.get(second).json()["queue_position"] == 1
 
 
+def listed(app: App, headers: dict[str, str] = AUTH) -> dict[int, dict[str, Any]]:
+    page = app.client.get("/v1/jobs", headers=headers)
+    assert page.status_code == 200, page.text
+    return {item["id"]: item for item in page.json()["items"]}
+
+
+def test_a_commit_elsewhere_reaches_the_list(app: App) -> None:
+    """A page is assembled from the same cached views: it is exactly as fresh as a GET."""
+    job_id = seed_job(app.elsewhere)
+    listed(app)
+    app.statements.clear()
+    assert listed(app)[job_id]["state"] == "running"
+    queries = [sql for sql in app.statements if sql != "BEGIN"]  # SQLite's read transaction
+    assert len(queries) == 1 and "FROM jobs" in queries[0], queries  # the ids; the view from memory
+    with app.elsewhere.transaction() as session:
+        set_job_state(session, job_id, "succeeded")
+
+    def changed() -> bool:
+        return listed(app)[job_id]["state"] == "succeeded"
+
+    if app.postgres:
+        wait_for(changed, FEED_S, "the change to reach the list")
+    else:
+        assert changed()
+    assert listed(app)[job_id] == app.get(job_id).json()
+
+
+def test_a_listed_page_from_memory_shows_each_caller_their_own(app: App) -> None:
+    created = app.client.post("/v1/users", json={"name": "liz"}, headers=AUTH).json()
+    liz = {"Authorization": f"Bearer {created['token']}"}
+    admins, hers = seed_job(app.elsewhere), seed_job(app.elsewhere, owner="liz")
+    assert set(listed(app)) >= {admins, hers}  # both views now cached
+    assert set(listed(app, liz)) == {hers}
+    assert app.client.get("/v1/jobs", params={"parent": admins}, headers=liz).status_code == 404
+    with app.elsewhere.transaction() as session:
+        session.execute(update(User).where(User.id == created["id"]).values(token_hash=None))
+
+    def refused() -> bool:
+        return app.client.get("/v1/jobs", headers=liz).status_code == 401
+
+    if app.postgres:
+        wait_for(refused, FEED_S, "the revocation")
+    else:
+        assert refused()
+
+
+def test_queued_jobs_in_a_list_are_read_every_time(app: App) -> None:
+    first = seed_job(app.elsewhere, state="queued")
+    second = seed_job(app.elsewhere, state="queued")
+    assert listed(app)[second]["queue_position"] == 2
+    with app.elsewhere.transaction() as session:
+        set_job_state(session, first, "scheduled")
+    assert listed(app)[second]["queue_position"] == 1
+
+
 @pytest.fixture
 def postgres_settings(pg_url: str, tmp_path: Path) -> Settings:
     settings = Settings(

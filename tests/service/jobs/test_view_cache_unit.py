@@ -35,7 +35,7 @@ def test_a_read_that_raced_an_invalidation_is_not_stored() -> None:
     before_read = cache.generation
     cache.invalidate_job(99)  # any commit seen while the read ran, even of another job
     cache.store_view(7, VIEW, before_read)
-    cache.store_caller("h", CachedCaller(user_id=1, is_admin=False), before_read)
+    cache.store_caller("h", CachedCaller(user_id=1, is_admin=False, name="u"), before_read)
     assert cache.view(7) is None and cache.caller("h") is None
     cache.store_view(7, VIEW, cache.generation)
     assert cache.view(7) == VIEW
@@ -45,7 +45,7 @@ def test_invalidation_drops_the_job_or_everything() -> None:
     cache = enabled_cache()
     cache.store_view(7, VIEW, cache.generation)
     cache.store_view(8, VIEW, cache.generation)
-    cache.store_caller("h", CachedCaller(user_id=1, is_admin=True), cache.generation)
+    cache.store_caller("h", CachedCaller(user_id=1, is_admin=True, name="u"), cache.generation)
     cache.invalidate_job(7)
     assert cache.view(7) is None and cache.view(8) == VIEW and cache.caller("h") is not None
     cache.invalidate_all()
