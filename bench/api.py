@@ -19,8 +19,10 @@ database of that size:
   bare `GET /v1/things/{id}` (a `def`, like the other floors) and, for reference, the same as
   an `async def` (`GET /v1/async-things/{id}`: torchjobs' GET of one job is an `async def`);
 * `POST /v1/jobs` (a valid builtin spec) against the bare `POST /v1/things` (pydantic body);
-* `GET /v1/jobs` first page against the same at a page in the middle and at the oldest jobs,
-  reached with `cursor`: keyset pagination should keep them flat.
+* `GET /v1/jobs` first page (50 jobs) against the bare `GET /v1/things`, which answers the
+  same page's JSON (saved from the service before the bare app starts) from a `def`; and the
+  first page against a page in the middle and at the oldest jobs, reached with `cursor`:
+  keyset pagination should keep them flat.
 
 wrk, the server and PostgreSQL share the machine's cores, so absolute figures are low on a
 small machine; the ratios are what to read.
@@ -258,11 +260,14 @@ class ProgressWriter:
                 )
 
 
-def start_bare(scratch: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_bare(scratch: Path, page: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = harness.free_port()
     log = open(scratch / "bare_app.log", "wb")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.bare_app", str(port)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "bench.bare_app", str(port), str(page)],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
 
@@ -304,7 +309,12 @@ def main(argv: list[str] | None = None) -> int:
         ids = bulk_insert(pg_url, args.jobs)
         insert_s = time.monotonic() - t0
         print(f"inserted {args.jobs} jobs in {insert_s:.1f} s: {ids}", file=sys.stderr, flush=True)
-        bare, bare_url = start_bare(scratch)
+        page = httpx.get(f"{stack.url}/v1/jobs", headers=harness.auth(token), timeout=60)
+        page.raise_for_status()
+        (scratch / "page.json").write_bytes(page.content)
+        bare, bare_url = start_bare(scratch, scratch / "page.json")
+        if httpx.get(f"{bare_url}/v1/things", timeout=30).json() != page.json():
+            raise RuntimeError("the bare list's floor does not answer the same JSON")
         try:
             svc = stack.url
             body = json.dumps(JOB_SPEC)
@@ -320,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                     ("first", f"{svc}/v1/jobs", "GET", None, token),
                     ("middle", f"{svc}/v1/jobs?cursor={ids['mid']}", "GET", None, token),
                     ("deep", f"{svc}/v1/jobs?cursor={ids['min'] + 51}", "GET", None, token),
+                    ("bare", f"{bare_url}/v1/things", "GET", None, token),
                 ],
                 "post": [
                     ("service", f"{svc}/v1/jobs", "POST", body, token),
@@ -466,15 +477,16 @@ def make_result(
 
     setup = f"PostgreSQL, {ids['count']:,} jobs"
     figs = []
-    for name, label, floor_label, target in (
-        ("get", "GET /v1/jobs/{id}", "bare FastAPI GET", ">= 0.5"),
-        ("post", "POST /v1/jobs", "bare FastAPI POST (pydantic body)", ""),
+    for name, side, label, floor_label, target in (
+        ("get", "service", "GET /v1/jobs/{id}", "bare FastAPI GET", ">= 0.5"),
+        ("post", "service", "POST /v1/jobs", "bare FastAPI POST (pydantic body)", ">= 0.25"),
+        ("list", "first", "GET /v1/jobs (50 a page)", "bare FastAPI GET of the same page's JSON", ">= 0.5"),
     ):
         figs.append(
             figure(
                 f"{label} requests/s",
                 "req/s",
-                col(name, "service", "rps"),
+                col(name, side, "rps"),
                 col(name, "bare", "rps"),
                 setup=setup,
                 floor_name=floor_label,
@@ -486,7 +498,7 @@ def make_result(
                 figure(
                     f"{label} {q} latency",
                     "ms",
-                    col(name, "service", f"{q}_ms"),
+                    col(name, side, f"{q}_ms"),
                     col(name, "bare", f"{q}_ms"),
                     setup=setup,
                     floor_name=floor_label,
