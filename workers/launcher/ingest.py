@@ -47,6 +47,13 @@ class EventsTail:
         self.buffer = b""
         self.backlog = False
 
+    def waiting(self) -> bool:
+        """Bytes were appended since the last read (one `stat`: cheap enough to ask often)."""
+        try:
+            return os.stat(self.tail.path).st_size > self.tail.offset
+        except FileNotFoundError:
+            return False
+
     def read_new(self) -> list[dict[str, Any]]:
         new = self.tail.read_new()
         self.backlog = len(new) >= MAX_READ

@@ -60,6 +60,13 @@ log = logging.getLogger("torchjobs.worker")
 POLL_S = 0.25
 CONTROL_EVERY_S = 1.0
 BATCH_EVERY_S = 0.5
+# New events (progress, a checkpoint's notice) do not wait for the next half-second batch: the
+# events file is looked at every EVENT_LOOK_S, and a batch goes out as soon as EVENT_GAP_S has
+# passed since the last. A node that reports all the time then commits 1/EVENT_GAP_S times a
+# second instead of 2, and a report reaches the database in EVENT_GAP_S / 2 on average
+# instead of BATCH_EVERY_S / 2 (contract §3's streams; docs/benchmarks.md measures both).
+EVENT_LOOK_S = 0.05
+EVENT_GAP_S = 0.2
 PEER_LOOK_EVERY_S = 5.0  # a multi-node job's look at whether its other nodes have all ended
 # While stored output waits on a database that refuses it, read no more than this (the files
 # keep the rest): back-pressure instead of memory without bound.
@@ -167,9 +174,10 @@ class NodeSupervisor:
             self.namespace = sandbox_namespace(proc.pid)
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> int:
-        """Ingest every BATCH_EVERY_S, look at the job every CONTROL_EVERY_S, and in between
-        sleep until the next of those or the agent's exit, whichever comes first."""
-        next_batch = next_control = 0.0
+        """Ingest every BATCH_EVERY_S (new events: EVENT_GAP_S after the last batch), look at
+        the job every CONTROL_EVERY_S, and in between sleep until the next of those, the next
+        look at the events file or the agent's exit, whichever comes first."""
+        next_batch = next_control = last_batch = 0.0
         with ExitWait(proc) as exited:
             while True:
                 rc = proc.poll()
@@ -177,9 +185,10 @@ class NodeSupervisor:
                     return rc  # run() reads what is left, all of it, once
                 self._find_namespace(proc)
                 now = time.monotonic()
-                if now >= next_batch or self._behind():
+                events_due = now >= last_batch + EVENT_GAP_S and self.events.waiting()
+                if now >= next_batch or self._behind() or events_due:
                     self._ingest(final=False)
-                    next_batch = now + BATCH_EVERY_S
+                    last_batch, next_batch = now, now + BATCH_EVERY_S
                 if self.stop_reason is None and now >= next_control:
                     next_control = now + CONTROL_EVERY_S
                     self.stop_reason = self._should_stop() or self._over_limit()
@@ -187,7 +196,7 @@ class NodeSupervisor:
                         self._report_stall()
                     if self.stop_reason is not None:
                         return self._stop(proc)
-                due = min(next_batch, next_control) - time.monotonic()
+                due = min(next_batch, next_control, time.monotonic() + EVENT_LOOK_S) - time.monotonic()
                 exited.wait(0.0 if self._behind() else due)
 
     def _behind(self) -> bool:

@@ -13,7 +13,8 @@ from typing import Any
 
 from service.jobs.node_reports import Batch, JobControl, NodeKey
 from workers.launcher.command import LaunchPlan, NodePaths
-from workers.launcher.supervisor import Hooks, NodeSupervisor
+from workers.launcher.ingest import EventsTail
+from workers.launcher.supervisor import EVENT_GAP_S, Hooks, NodeSupervisor
 
 # A stand-in for torchrun: a progress line every 50 ms in the events file, one checkpoint file
 # per "epoch" (written, then renamed into place), for `seconds`, then exit 0.
@@ -115,6 +116,35 @@ def test_the_look_at_the_job_rides_on_the_batch(tmp_path: Path) -> None:
     assert outcome.state == "succeeded" and len(rec.steps) > 20
     # Some 3 looks at the job; only the first, before the process had written, asked for it.
     assert rec.control_looks <= 1
+
+
+def test_reports_go_out_soon_and_a_busy_node_still_batches_them(tmp_path: Path) -> None:
+    """A report does not wait for the next half-second batch, yet a node that reports every
+    50 ms commits at most once per EVENT_GAP_S (plus the final drain), every step in order."""
+    rec = Recorder()
+    batches: list[int] = []
+    write = rec.write_batch
+
+    def counted(batch: Batch) -> JobControl | None:
+        if batch.events:
+            batches.append(len(batch.events))
+        return write(batch)
+
+    hooks = rec.hooks()
+    hooks.write_batch = counted
+    seconds = 2.0
+    assert supervisor(tmp_path, hooks, seconds=seconds).run().state == "succeeded"
+    assert rec.steps == list(range(1, len(rec.steps) + 1)) and len(rec.steps) > 20
+    assert len(batches) <= seconds / EVENT_GAP_S + 2, batches
+
+
+def test_the_events_file_says_when_it_has_news(tmp_path: Path) -> None:
+    tail = EventsTail(tmp_path / "events.jsonl")
+    assert not tail.waiting()  # no file yet
+    (tmp_path / "events.jsonl").write_text('{"type": "progress", "step": 1}\n')
+    assert tail.waiting()
+    assert tail.read_new() == [{"type": "progress", "step": 1}]
+    assert not tail.waiting()
 
 
 def test_a_cancel_seen_by_a_batch_stops_the_node(tmp_path: Path) -> None:
