@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, overload
 
 from workers.launcher.sandbox import (
     ENV_FILE,
@@ -75,23 +75,41 @@ class NodeLaunch:
             raise ValueError("a script entrypoint needs its resolved path, or the job's code")
 
 
+class InRunDir:
+    """A path property: `name` inside the node's `run_dir` (one line per file, not four)."""
+
+    def __init__(self, name: str, doc: str | None = None) -> None:
+        self.name, self.__doc__ = name, doc
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> InRunDir: ...
+    @overload
+    def __get__(self, obj: NodePaths, owner: type) -> Path: ...
+    def __get__(self, obj: NodePaths | None, owner: type) -> Path | InRunDir:
+        return self if obj is None else obj.run_dir / self.name
+
+
 @dataclass(frozen=True, kw_only=True)
 class NodePaths:
+    """Where a node's files are, all under `run_dir` but the ranks' TMPDIR (see `tmp`)."""
+
     run_dir: Path
     tmp_root: Path = Path("/tmp")
     tmp_dir: Path | None = None  # TMPDIR as given (a sandbox's /tmp), else derived below
 
-    @property
-    def checkpoints(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    @property
-    def events(self) -> Path:
-        return self.run_dir / "events.jsonl"
-
-    @property
-    def logs(self) -> Path:
-        return self.run_dir / "logs"
+    checkpoints: ClassVar[InRunDir] = InRunDir("checkpoints")
+    events: ClassVar[InRunDir] = InRunDir("events.jsonl")
+    logs: ClassVar[InRunDir] = InRunDir("logs")
+    tmp_link: ClassVar[InRunDir] = InRunDir("tmp", "links to `tmp`, so cleanup can find it")
+    config: ClassVar[InRunDir] = InRunDir("config.json")
+    agent_log: ClassVar[InRunDir] = InRunDir("agent.log")
+    home: ClassVar[InRunDir] = InRunDir(
+        "home", "the ranks' private HOME: what a library writes stays in the node"
+    )
+    env_file: ClassVar[InRunDir] = InRunDir(ENV_FILE)
+    workdir: ClassVar[InRunDir] = InRunDir(
+        "workdir", "the node's private, writable copy of the job's code: the ranks' working directory"
+    )
 
     @property
     def tmp(self) -> Path:
@@ -102,32 +120,6 @@ class NodePaths:
             return self.tmp_dir
         digest = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
         return self.tmp_root / f"torchjobs-{digest}"
-
-    @property
-    def tmp_link(self) -> Path:
-        return self.run_dir / "tmp"
-
-    @property
-    def config(self) -> Path:
-        return self.run_dir / "config.json"
-
-    @property
-    def agent_log(self) -> Path:
-        return self.run_dir / "agent.log"
-
-    @property
-    def home(self) -> Path:
-        """The ranks' private HOME: caches and dotfiles a library writes stay in the node."""
-        return self.run_dir / "home"
-
-    @property
-    def env_file(self) -> Path:
-        return self.run_dir / ENV_FILE
-
-    @property
-    def workdir(self) -> Path:
-        """The node's private, writable copy of the job's code: the ranks' working directory."""
-        return self.run_dir / "workdir"
 
 
 @dataclass(frozen=True, kw_only=True)
