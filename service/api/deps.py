@@ -55,8 +55,8 @@ async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_storage(request: Request) -> Storage:
-    """One Storage per app, built by the app's lifespan."""
+async def get_storage(request: Request) -> Storage:
+    """One Storage per app, built by the app's lifespan (no I/O: no thread-pool hop)."""
     storage: Storage = request.app.state.storage
     return storage
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, BackgroundTasks, Depends, Header, Query, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials
+from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import (
     DbDep,
@@ -16,6 +18,8 @@ from service.api.deps import (
     current_user,
 )
 from service.checkpoints.resume_check import check_resumable
+from service.config import Settings
+from service.db import Database
 from service.jobs import service
 from service.jobs.cached_reads import job_list_json, job_view_json
 from service.jobs.dependencies import resumes_from_dependency
@@ -24,37 +28,49 @@ from service.jobs.spec import JobSpec
 from service.jobs.sweeps import expand_sweep
 from service.jobs.validation import resume_target
 from service.schemas import MAX_ID
+from service.storage import Storage
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
-def wake_scheduler(request: Request) -> None:
-    """A new job is placed now, not at the next timed pass."""
+async def wake_scheduler(request: Request) -> None:
+    """A new job is placed now, not at the next timed pass (setting an event: no thread hop)."""
     scheduler = getattr(request.app.state, "scheduler", None)
     if scheduler is not None:
         scheduler.wake()
 
 
-def resume_checked_spec(
+async def resume_checked_spec(
     spec: JobSpec, db: DbDep, creds: PresentedCreds, settings: SettingsDep, storage: StorageDep
 ) -> JobSpec:
     """The spec, with the file it resumes from checked before the request's transaction begins:
     that check may load the file for seconds, and on SQLite that transaction holds the write
-    lock. The handler resolves the checkpoint again under its lock; the verdict is remembered."""
+    lock. The handler resolves the checkpoint again under its lock; the verdict is remembered.
+    A spec that resumes from nothing costs no thread-pool hop here."""
     specs = [child.spec for child in expand_sweep(spec)] if spec.sweep is not None else [spec]
+    resuming = [one for one in specs if one.resume_from is not None and not resumes_from_dependency(one)]
+    if resuming:
+        await run_in_threadpool(_check_resumes, resuming, db, creds, settings, storage)
+    return spec
+
+
+def _check_resumes(
+    specs: list[JobSpec],
+    db: Database,
+    creds: HTTPAuthorizationCredentials,
+    settings: Settings,
+    storage: Storage,
+) -> None:
     seen: set[str] = set()
     for one in specs:  # a sweep's points may each resume from another file
-        if one.resume_from is None or resumes_from_dependency(one):
-            continue
-        key = one.resume_from.model_dump_json()
-        if key in seen:
+        key = one.resume_from.model_dump_json() if one.resume_from is not None else ""
+        if not key or key in seen:
             continue
         seen.add(key)
         with db.read() as session:
             target = resume_target(session, one, current_user(session, creds), lock=False)
         if target is not None:
             check_resumable(storage, settings, *target)
-    return spec
 
 
 @router.post(
