@@ -124,15 +124,17 @@ def _read_page(
     query: ListQuery,
     generation: int,
 ) -> tuple[tuple[list[bytes], str | None], CachedCaller]:
-    with db.read() as session:
-        if caller is None:
+    if caller is None:  # the first page of a token (per TTL): its owner from the database
+        with db.read() as session:
             user = current_user(session, creds)
-            caller = CachedCaller(user_id=user.id, is_admin=user.is_admin, name=user.name)
-        owner = None if caller.is_admin else caller.user_id
-        ids, next_cursor = service.list_job_ids(session, owner, query)
-        views = {job_id: view for job_id in ids if (view := cache.view(job_id)) is not None}
-        missing = [job_id for job_id in ids if job_id not in views]
-        if missing:
+        caller = CachedCaller(user_id=user.id, is_admin=user.is_admin, name=user.name)
+    owner = None if caller.is_admin else caller.user_id
+    with db.read_connection() as conn:
+        ids, next_cursor = service.list_job_ids(conn, owner, query)
+    views = {job_id: view for job_id in ids if (view := cache.view(job_id)) is not None}
+    missing = [job_id for job_id in ids if job_id not in views]
+    if missing:
+        with db.read() as session:
             jobs = repo.jobs_by_ids(session, missing)
             for job, out in zip(jobs, service.job_views(session, jobs, viewer=caller), strict=True):
                 views[job.id] = view = CachedView(

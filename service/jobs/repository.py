@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
-from sqlalchemy import and_, bindparam, func, or_, select
+from sqlalchemy import Connection, Select, and_, bindparam, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.models import Checkpoint, Job, JobAttempt, JobEvent, NodeRun, User
@@ -55,6 +56,14 @@ def get_job(session: Session, job_id: int, owner_id: int | None) -> Job | None:
     return session.execute(_OWNED_JOB_BY_ID, {"job_id": job_id, "owner_id": owner_id}).scalar_one_or_none()
 
 
+def job_exists(conn: Connection, job_id: int, owner_id: int | None) -> bool:
+    """`owner_id=None`: any owner's (the admin's view)."""
+    query = select(Job.id).where(Job.id == job_id)
+    if owner_id is not None:
+        query = query.where(Job.owner_id == owner_id)
+    return conn.execute(query).first() is not None
+
+
 def get_by_idempotency_key(session: Session, owner_id: int, key: str) -> Job | None:
     return session.execute(
         select(Job).where(Job.owner_id == owner_id, Job.idempotency_key == key)
@@ -62,25 +71,34 @@ def get_by_idempotency_key(session: Session, owner_id: int, key: str) -> Job | N
 
 
 def list_job_ids(
-    session: Session,
+    conn: Connection,
     owner_id: int | None,
     state: str | None,
     limit: int,
     before_id: int | None,
     parent_id: int | None = None,
 ) -> list[int]:
-    """Newest first by id; keyset pagination so page N costs what page 1 costs. Run on the
-    session's connection (Core): a column of ids needs none of the ORM's result handling."""
-    query = select(Job.id).order_by(Job.id.desc()).limit(limit)
-    if parent_id is not None:
-        query = query.where(Job.parent_id == parent_id)
-    if owner_id is not None:
-        query = query.where(Job.owner_id == owner_id)
-    if state is not None:
-        query = query.where(Job.state == state)
-    if before_id is not None:
-        query = query.where(Job.id < before_id)
-    return list(session.connection().execute(query).scalars())
+    """Newest first by id; keyset pagination so page N costs what page 1 costs. Core, on a
+    connection: a page served from the job-view cache is this query alone, without a session."""
+    params = {"owner_id": owner_id, "state": state, "before_id": before_id, "parent_id": parent_id}
+    given = tuple(name for name, value in params.items() if value is not None)
+    query = _page_ids_query(given)
+    bound = {name: params[name] for name in given} | {"limit": limit}
+    return list(conn.execute(query, bound).scalars())
+
+
+@functools.cache
+def _page_ids_query(given: tuple[str, ...]) -> Select[int]:
+    """One statement per combination of filters, built once: building it cost more than the
+    indexed query itself runs (a page from the job-view cache is this one query)."""
+    query = select(Job.id).order_by(Job.id.desc()).limit(bindparam("limit"))
+    filters = {
+        "owner_id": Job.owner_id == bindparam("owner_id"),
+        "state": Job.state == bindparam("state"),
+        "before_id": Job.id < bindparam("before_id"),
+        "parent_id": Job.parent_id == bindparam("parent_id"),
+    }
+    return query.where(*(filters[name] for name in given))
 
 
 def jobs_by_ids(session: Session, job_ids: Sequence[int]) -> list[Job]:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -172,16 +173,16 @@ class ListQuery:
     parent: int | None = None
 
 
-def list_job_ids(session: Session, owner_id: int | None, query: ListQuery) -> tuple[list[int], str | None]:
+def list_job_ids(conn: Connection, owner_id: int | None, query: ListQuery) -> tuple[list[int], str | None]:
     """The ids of one page, newest first, and the cursor of the next (None on the last page).
     `owner_id=None`: every owner's (the admin's view); a `parent` that is not the caller's is a
     404, as if it did not exist."""
     if query.state is not None and query.state not in ALL_STATES:
         raise InvalidSpec(("state",), f"unknown state; one of {', '.join(ALL_STATES)}")
     before = _parse_cursor(query.cursor)
-    if query.parent is not None and repo.get_job(session, query.parent, owner_id) is None:
+    if query.parent is not None and not repo.job_exists(conn, query.parent, owner_id):
         raise NotFound("job")
-    ids = repo.list_job_ids(session, owner_id, query.state, query.limit + 1, before, query.parent)
+    ids = repo.list_job_ids(conn, owner_id, query.state, query.limit + 1, before, query.parent)
     page = ids[: query.limit]
     return page, str(page[-1]) if len(ids) > query.limit and page else None
 
