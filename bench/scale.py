@@ -6,10 +6,11 @@ server and its scheduler on PostgreSQL + Redis, while clients poll, list, submit
     .venv/bin/python -m bench.scale --smoke              # 10 hosts, 20 jobs, a few seconds
 
 The hosts are simulated in this process with the product's own worker-side functions and no
-torch: `upsert_worker` to register, `heartbeat` every `heartbeat_interval_s` (2 s), claims
+torch: `upsert_worker` to register, `heartbeat` every `heartbeat_interval_s` (5 s), claims
 with `claim_for_launch` of the nodes the scheduler placed on them, an output batch per running
-node every 0.5 s (`reports.write_batch`: a log line and a progress event, as the supervisor
-stores them) and the node's end (`record_end`) after 10 to 30 s, when the queue's next job
+node every 0.2 s (`reports.write_batch`: a log line and a progress event, as the supervisor
+stores them for a node whose ranks report all the time: `EVENT_GAP_S`) and the node's end
+(`record_end`) after 10 to 30 s, when the queue's next job
 takes its slot. Each host has one GPU slot. The clients are real HTTP clients of the server:
 4 pollers of `GET /v1/jobs/{id}`, a lister of `GET /v1/jobs`, a submitter of `POST
 /v1/jobs`, and SSE streams on running jobs that time each progress event from its write.
@@ -40,8 +41,10 @@ import httpx
 
 from bench.common import REPO, figure, machine, production_stack, utc_now, workdir, write_result
 from service.testing import harness
+from workers.launcher.supervisor import EVENT_GAP_S
 
-BATCH_EVERY_S = 0.5  # the supervisor's (workers/launcher/supervisor.py)
+# The supervisor's cadence for a node that reports all the time (workers/launcher/supervisor.py)
+BATCH_EVERY_S = EVENT_GAP_S
 STREAMS = 10
 
 
@@ -182,7 +185,7 @@ class SimHosts:
                     self.load.claims += 1
 
     def report(self, shard: int, shards: int) -> None:
-        """An output batch per running node every 0.5 s; a node's end when its time is up."""
+        """An output batch per running node every BATCH_EVERY_S; a node's end when its time is up."""
         from service.db import KeptConnection
         from service.jobs.lifecycle import record_end
         from service.jobs.node_reports import Batch, NodeOutcome

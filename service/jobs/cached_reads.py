@@ -109,36 +109,71 @@ async def job_list_json(
     cache.refresh()
     generation = cache.generation
     caller = cache.caller(token_hash)
-    page, read_caller = await run_in_threadpool(_read_page, db, cache, creds, caller, query, generation)
+    ids, next_cursor, views, read_caller = await run_in_threadpool(_page_ids, db, cache, creds, caller, query)
     if caller is None:
         cache.store_caller(token_hash, read_caller, generation)
-    bodies, next_cursor = page
+    # (again: another page's render may have stored some while this one read its ids)
+    views |= {job_id: view for job_id in ids if job_id not in views and (view := cache.view(job_id))}
+    missing = tuple(job_id for job_id in ids if job_id not in views)
+    if missing:
+        views = {**views, **await asyncio.shield(_shared_render(db, cache, missing, read_caller))}
+    bodies = [views[job_id].body for job_id in ids if job_id in views]
     return b'{"items":[' + b",".join(bodies) + b'],"next_cursor":' + json.dumps(next_cursor).encode() + b"}"
 
 
-def _read_page(
+def _page_ids(
     db: Database,
     cache: ViewCache,
     creds: HTTPAuthorizationCredentials | None,
     caller: CachedCaller | None,
     query: ListQuery,
-    generation: int,
-) -> tuple[tuple[list[bytes], str | None], CachedCaller]:
+) -> tuple[list[int], str | None, dict[int, CachedView], CachedCaller]:
+    """The page's ids and the views the cache holds of them (and the caller, the first time)."""
     if caller is None:  # the first page of a token (per TTL): its owner from the database
         with db.read() as session:
             user = current_user(session, creds)
         caller = CachedCaller(user_id=user.id, is_admin=user.is_admin, name=user.name)
-    owner = None if caller.is_admin else caller.user_id
     with db.read_connection() as conn:
-        ids, next_cursor = service.list_job_ids(conn, owner, query)
+        ids, next_cursor = service.list_job_ids(conn, None if caller.is_admin else caller.user_id, query)
     views = {job_id: view for job_id in ids if (view := cache.view(job_id)) is not None}
-    missing = [job_id for job_id in ids if job_id not in views]
-    if missing:
-        with db.read() as session:
-            jobs = repo.jobs_by_ids(session, missing)
-            for job, out in zip(jobs, service.job_views(session, jobs, viewer=caller), strict=True):
-                views[job.id] = view = CachedView(
-                    owner_id=job.owner_id, body=out.model_dump_json().encode(), storable=job.state != QUEUED
-                )
-                cache.store_view(job.id, view, generation)
-    return ([views[job_id].body for job_id in ids if job_id in views], next_cursor), caller
+    return ids, next_cursor, views, caller
+
+
+def _shared_render(
+    db: Database, cache: ViewCache, job_ids: tuple[int, ...], viewer: CachedCaller
+) -> asyncio.Future[dict[int, CachedView]]:
+    """One read and render of the same missing jobs for every page that lacks them while
+    nothing changed, as `_shared_read` does for one job: a running job on the newest page is
+    invalidated at each progress report, and every client listing at that moment missed it at
+    once. A view carries no trace of who asked (the ids were filtered by owner already)."""
+    generation = cache.generation
+    flight = cache.renders_in_flight.get(job_ids)
+    if cache.enabled and flight is not None and flight[0] == generation:
+        return flight[1]
+    render: asyncio.Future[dict[int, CachedView]] = asyncio.ensure_future(
+        run_in_threadpool(_render, db, cache, job_ids, viewer, generation)
+    )
+    cache.renders_in_flight[job_ids] = entry = (generation, render)
+
+    def landed(done: asyncio.Future[dict[int, CachedView]]) -> None:
+        if cache.renders_in_flight.get(job_ids) is entry:
+            del cache.renders_in_flight[job_ids]
+        if not done.cancelled():
+            done.exception()  # retrieved here, so an error nobody awaited is not logged as lost
+
+    render.add_done_callback(landed)
+    return render
+
+
+def _render(
+    db: Database, cache: ViewCache, job_ids: tuple[int, ...], viewer: CachedCaller, generation: int
+) -> dict[int, CachedView]:
+    views = {}
+    with db.read() as session:
+        jobs = repo.jobs_by_ids(session, job_ids)
+        for job, out in zip(jobs, service.job_views(session, jobs, viewer=viewer), strict=True):
+            views[job.id] = view = CachedView(
+                owner_id=job.owner_id, body=out.model_dump_json().encode(), storable=job.state != QUEUED
+            )
+            cache.store_view(job.id, view, generation)
+    return views

@@ -74,6 +74,8 @@ class ViewCache:
         # (caller's token hash, job id) -> (generation, the database read under way), for
         # `service.jobs.cached_reads`; event loop only.
         self.reads_in_flight: dict[tuple[str, int], tuple[int, Any]] = {}
+        # the missing jobs of a list page -> (generation, their render under way); event loop only
+        self.renders_in_flight: dict[tuple[int, ...], tuple[int, Any]] = {}
 
     @property
     def generation(self) -> int:

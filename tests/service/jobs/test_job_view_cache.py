@@ -25,7 +25,8 @@ from service.app import create_app
 from service.auth.tokens import ensure_admin
 from service.config import Settings
 from service.db import Database
-from service.jobs.cached_reads import job_view_json
+from service.jobs.cached_reads import job_list_json, job_view_json
+from service.jobs.service import ListQuery
 from service.jobs.view_cache import CachedView, ViewCache
 from service.jobs.view_feed import install_commit_invalidation
 from service.migrate import upgrade
@@ -378,4 +379,37 @@ def test_clients_that_miss_together_share_one_read(tmp_path: Path) -> None:
     reads.clear()
     asyncio.run(together(10, change_midway=True))
     assert len(reads) == 2 * one_read, reads
+    db.dispose()
+
+
+def test_pages_that_miss_the_same_jobs_share_one_render(tmp_path: Path) -> None:
+    """A running job on the newest page is invalidated at every progress report: the pages
+    listed at that moment read and render it once between them."""
+    settings = Settings(home=tmp_path, admin_token=TOKEN)
+    upgrade(settings)
+    db = Database(settings)
+    with db.transaction() as session:
+        ensure_admin(session, settings)
+    job_ids = [seed_job(db) for _ in range(3)]
+    cache = ViewCache(ttl_s=TTL_S)
+    cache.enable()
+    creds = HTTPAuthorizationCredentials(scheme="Bearer", credentials=TOKEN)
+    renders: list[str] = []
+    event.listen(
+        db.engine,
+        "before_cursor_execute",
+        lambda *a: renders.append(a[2]) if "FROM jobs \nWHERE jobs.id IN" in a[2] else None,
+    )
+
+    async def together(n: int) -> list[bytes]:
+        pages = [asyncio.ensure_future(job_list_json(db, cache, creds, ListQuery())) for _ in range(n)]
+        return await asyncio.gather(*pages)
+
+    first = asyncio.run(together(1))[0]
+    assert [item["id"] for item in json.loads(first)["items"]] == job_ids[::-1]
+    assert len(renders) == 1
+    cache.invalidate_job(job_ids[1])
+    renders.clear()
+    assert set(asyncio.run(together(10))) == {first}
+    assert len(renders) == 1, renders
     db.dispose()
