@@ -33,7 +33,7 @@ from service.jobs.states import ACTIVE, CANCELLING, QUEUED, SCHEDULED, lock_job,
 from service.jobs.sweeps import SWEEP, settle_sweeps, sweep_limits
 from service.models import GpuAllocation, Job, NodeRun, User, Worker, utcnow
 from service.scheduler.outages import DatabaseOutages
-from service.scheduler.placement import Host, Owner, QueuedJob, SweepLimit, plan
+from service.scheduler.placement import Host, NodePlacement, Owner, QueuedJob, SweepLimit, plan
 from service.states import NODE_ACTIVE, JobState, NodeState, WorkerState
 from service.usage.accounting import gpus_in_use
 
@@ -52,12 +52,21 @@ class Dispatch:
 Dispatcher = Callable[[list[Dispatch]], None]
 
 
+@dataclass
+class Room:
+    """Whether the last pass left a GPU slot free: only then can a job submitted since be
+    placed before the next timed pass, so only then is a submit worth a pass of its own."""
+
+    gpu_free: bool = True
+
+
 def run_pass(
     db: Database,
     settings: Settings,
     dispatch: Dispatcher,
     throttle: ResendThrottle | None = None,
     outages: DatabaseOutages | None = None,
+    room: Room | None = None,
 ) -> list[Dispatch]:
     try:
         with db.transaction() as session:
@@ -72,7 +81,7 @@ def run_pass(
             if not locked:
                 return []
             reap(session, settings, judge_silence=outages is None or outages.may_judge_silence())
-            sent = place(session, settings)
+            sent = place(session, settings, room)
             resend = throttle.due(undelivered(session, settings)) if throttle else []
     except (IntegrityError, OperationalError) as exc:
         log.warning("scheduler pass rolled back: %s", exc.__class__.__name__)
@@ -264,13 +273,17 @@ def owners_of(session: Session, owner_ids: set[int]) -> dict[int, Owner]:
     return {u.id: Owner(name=u.name, in_use=held.get(u.id, 0), quota=u.gpu_quota) for u in users}
 
 
-def place(session: Session, settings: Settings) -> list[Dispatch]:
+def place(session: Session, settings: Settings, room: Room | None = None) -> list[Dispatch]:
     """Plan over the queue's few columns; load and lock whole rows only for the jobs placed."""
     inputs = placement_inputs(session)
+    if room is not None:
+        room.gpu_free = True  # an empty queue: the hosts were not read
     if not inputs.rows:
         return []
     rows, queued, hosts, workers = inputs.rows, inputs.queued, inputs.hosts, inputs.workers
     decision = plan(queued, hosts, settings.starvation_s, inputs.owners, inputs.sweeps)
+    if room is not None:
+        room.gpu_free = _any_left_free(hosts, decision.placements)
     _write_pending_reasons(session, rows, decision.pending_reasons, bool(workers))
     _write_pending_reasons(session, rows, inputs.readiness.waiting, any_worker=True)
     fail_doomed(session, inputs.readiness.doomed)
@@ -307,6 +320,14 @@ def place(session: Session, settings: Settings) -> list[Dispatch]:
         hosts_desc = ", ".join(f"{n.host}{list(n.gpus)}" for n in nodes)
         transition_job(session, job, SCHEDULED, f"placed on {hosts_desc}")
     return sent
+
+
+def _any_left_free(hosts: Sequence[Host], placements: dict[int, tuple[NodePlacement, ...]]) -> bool:
+    taken: dict[str, int] = {}
+    for nodes in placements.values():
+        for node in nodes:
+            taken[node.host] = taken.get(node.host, 0) + len(node.gpus)
+    return any(len(h.free) > taken.get(h.name, 0) for h in hosts if not h.quarantined)
 
 
 def _write_pending_reasons(session: Session, rows: Any, reasons: dict[int, str], any_worker: bool) -> None:
@@ -359,10 +380,20 @@ class SchedulerThread(threading.Thread):
         self.outages = DatabaseOutages(settings.heartbeat_timeout_s)
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        self.room = Room()
         self.observe_pass: Callable[[float], None] = lambda _seconds: None  # the app's histogram
 
     def wake(self) -> None:
         self._wake.set()
+
+    def wake_for_submit(self) -> None:
+        """A pass now for a new job, unless the last one left no GPU free: against a full
+        cluster a flood of submits would each buy a pass over the whole queue that places
+        nothing (measured: a fifth of the server's CPU per `POST /v1/jobs` with 3,000 jobs
+        queued). The timed pass, `scheduler_interval_s` later, gives the job its reason; a
+        freed GPU, a new host or a cancel wakes the scheduler as before."""
+        if self.room.gpu_free:
+            self._wake.set()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -374,7 +405,7 @@ class SchedulerThread(threading.Thread):
             took = 0.0
             try:
                 started = time.perf_counter()
-                run_pass(self.db, self.settings, self.dispatch, self.throttle, self.outages)
+                run_pass(self.db, self.settings, self.dispatch, self.throttle, self.outages, self.room)
                 took = time.perf_counter() - started
                 self.observe_pass(took)
                 if not has_waiting_work(self.db):
