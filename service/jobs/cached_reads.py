@@ -23,7 +23,7 @@ from service.jobs import repository as repo
 from service.jobs import service
 from service.jobs.service import ListQuery
 from service.jobs.states import QUEUED
-from service.jobs.view_cache import CachedCaller, CachedView, ViewCache
+from service.jobs.view_cache import CachedCaller, CachedView, PageKey, ViewCache
 
 Read = tuple[CachedCaller | None, CachedView | None]
 
@@ -104,14 +104,23 @@ async def job_list_json(
     page's ids, and only the jobs the cache does not hold are read and rendered (a page of
     finished jobs, most of any history, is then one indexed query and a byte join).
 
-    The page is the same bytes `JobList.model_dump_json()` would give for these views."""
+    The page's ids are kept too, until anything changes (`ViewCache.page`): a page listed
+    again while nothing changed costs no thread-pool hop and no query. The page is the same
+    bytes `JobList.model_dump_json()` would give for these views."""
     token_hash = hash_token(presented_token(creds))
     cache.refresh()
     generation = cache.generation
     caller = cache.caller(token_hash)
-    ids, next_cursor, views, read_caller = await run_in_threadpool(_page_ids, db, cache, creds, caller, query)
-    if caller is None:
-        cache.store_caller(token_hash, read_caller, generation)
+    page = cache.page(page_key(caller, query)) if caller is not None else None
+    views: dict[int, CachedView] = {}
+    if caller is not None and page is not None:  # nothing changed since it was read: no hop
+        (ids, next_cursor), read_caller = page, caller
+    else:
+        read = await run_in_threadpool(_page_ids, db, cache, creds, caller, query)
+        ids, next_cursor, views, read_caller = read
+        if caller is None:
+            cache.store_caller(token_hash, read_caller, generation)
+        cache.store_page(page_key(read_caller, query), (ids, next_cursor), generation)
     # (again: another page's render may have stored some while this one read its ids)
     views |= {job_id: view for job_id in ids if job_id not in views and (view := cache.view(job_id))}
     missing = tuple(job_id for job_id in ids if job_id not in views)
@@ -119,6 +128,11 @@ async def job_list_json(
         views = {**views, **await asyncio.shield(_shared_render(db, cache, missing, read_caller))}
     bodies = [views[job_id].body for job_id in ids if job_id in views]
     return b'{"items":[' + b",".join(bodies) + b'],"next_cursor":' + json.dumps(next_cursor).encode() + b"}"
+
+
+def page_key(caller: CachedCaller, query: ListQuery) -> PageKey:
+    """Pages are the same for every admin, and for each other owner their own."""
+    return (None if caller.is_admin else caller.user_id, query)
 
 
 def _page_ids(

@@ -13,6 +13,8 @@ GET reads the database, as before. Commits made by this process invalidate every
 A view filled from a read that began before an invalidation is dropped, never stored
 (`generation`): otherwise a read that raced a commit could put the old state back after the
 commit's invalidation. Queued jobs are never stored: their queue position moves with others.
+The ids of list pages are kept too, and dropped at any change of any job (an insert included:
+PostgreSQL's feed has a trigger for new jobs, migration 0011).
 Entries also expire after `ttl_s`, which bounds the damage of any change the feed missed.
 """
 
@@ -21,12 +23,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
+# (the owner whose jobs a page lists, None for every owner's; the query: `ListQuery`)
+PageKey = tuple[int | None, Hashable]
+Page = tuple[list[int], str | None]  # a list page's job ids, and the next page's cursor
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,7 @@ class ViewCache:
         self.ttl_s, self.max_entries, self._clock = ttl_s, max_entries, clock
         self._views: dict[int, tuple[float, CachedView]] = {}
         self._callers: dict[str, tuple[float, CachedCaller]] = {}
+        self._pages: dict[PageKey, tuple[float, Page]] = {}
         self._lock = threading.Lock()
         self._generations = itertools.count(1)
         self._generation = next(self._generations)
@@ -93,6 +99,12 @@ class ViewCache:
     def caller(self, token_hash: str) -> CachedCaller | None:
         return self._fresh(self._callers, token_hash)
 
+    def page(self, key: PageKey) -> Page | None:
+        return self._fresh(self._pages, key)
+
+    def store_page(self, key: PageKey, page: Page, generation: int) -> None:
+        self._store(self._pages, key, page, generation)
+
     def store_view(self, job_id: int, view: CachedView, generation: int) -> None:
         if view.storable:
             self._store(self._views, job_id, view, generation)
@@ -104,12 +116,14 @@ class ViewCache:
         with self._lock:
             self._generation = next(self._generations)
             self._views.pop(job_id, None)
+            self._pages.clear()  # any change may move any job into or out of any page
 
     def invalidate_all(self) -> None:
         with self._lock:
             self._generation = next(self._generations)
             self._views.clear()
             self._callers.clear()
+            self._pages.clear()
 
     def enable(self) -> None:
         """The feed is (again) listening: whatever changed while it was not is unknown."""

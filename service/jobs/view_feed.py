@@ -1,7 +1,8 @@
 """What keeps the job-view cache (`service.jobs.view_cache`) honest: a feed of changes.
 
-* PostgreSQL: triggers on every table a job view reads (migration 0002) `pg_notify` the
-  channel `torchjobs_views` with `j<job id>` (jobs, node runs, attempts, checkpoints) or `u`
+* PostgreSQL: triggers on every table a job view reads (migration 0002; new jobs, for the
+  list's pages, 0011) `pg_notify` the channel `torchjobs_views` with `j<job id>` (jobs, node
+  runs, attempts, checkpoints) or `u`
   (users: a rotated or revoked token, a renamed owner). One connection per API process
   LISTENs; the cache is on only while it does. PostgreSQL delivers a notification when the
   writer commits, so a worker's commit reaches the cache within the delivery time of one
@@ -30,9 +31,10 @@ from service.jobs.view_cache import ViewCache
 log = logging.getLogger("torchjobs.view_cache")
 
 CHANNEL = "torchjobs_views"
-# The triggers of migration 0002; without every one of them the cache stays off.
+# The triggers of migrations 0002 and 0011; without every one of them the cache stays off.
 TRIGGERS = (
     "torchjobs_view_jobs",
+    "torchjobs_view_jobs_insert",
     "torchjobs_view_node_runs",
     "torchjobs_view_job_attempts",
     "torchjobs_view_checkpoints",

@@ -83,3 +83,20 @@ def test_a_polled_feed_runs_before_each_look_up() -> None:
     cache.poll = cache.invalidate_all
     cache.refresh()
     assert cache.view(7) is None
+
+
+def test_a_list_page_is_dropped_at_any_change_of_any_job() -> None:
+    clock = Clock()
+    cache = enabled_cache(clock)
+    key = (None, "first page")
+    cache.store_page(key, ([9, 8], None), cache.generation)
+    assert cache.page(key) == ([9, 8], None)
+    cache.invalidate_job(1)  # a job on no page of it: it may join one
+    assert cache.page(key) is None
+    stale = cache.generation
+    cache.invalidate_job(2)
+    cache.store_page(key, ([9, 8], None), stale)  # read before that change: not kept
+    assert cache.page(key) is None
+    cache.store_page(key, ([9, 8], None), cache.generation)
+    clock.now += 5.5
+    assert cache.page(key) is None  # expired
