@@ -34,10 +34,11 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 
 async def wake_scheduler(request: Request) -> None:
-    """A new job is placed now, not at the next timed pass (setting an event: no thread hop)."""
+    """A new job is placed now, not at the next timed pass, where a GPU is free (setting an
+    event: no thread hop)."""
     scheduler = getattr(request.app.state, "scheduler", None)
     if scheduler is not None:
-        scheduler.wake()
+        scheduler.wake_for_submit()
 
 
 async def resume_checked_spec(
@@ -82,21 +83,25 @@ def _check_resumes(
 def submit_job(
     spec: Annotated[JobSpec, Depends(resume_checked_spec)],
     request: Request,
-    response: Response,
     background: BackgroundTasks,
     session: SessionDep,
     settings: SettingsDep,
     storage: StorageDep,
     user: UserDep,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
-) -> JobOut:
+) -> Response:
+    """The body is the `JobOut` serialised once, as `GET /v1/jobs/{id}` serves it (returned
+    as a model, FastAPI would dump it, validate it again and encode the result)."""
     job, created = service.submit_job(session, settings, storage, user, spec, idempotency_key)
-    response.headers["Location"] = f"/v1/jobs/{job.id}"
     if created:
         background.add_task(wake_scheduler, request)  # runs after the commit and the response
-    if not created:
-        response.status_code = 200
-    return service.job_views(session, [job], viewer=user, created=created)[0]
+    view = service.job_views(session, [job], viewer=user, created=created)[0]
+    return Response(
+        view.model_dump_json(),
+        status_code=201 if created else 200,
+        media_type="application/json",
+        headers={"Location": f"/v1/jobs/{job.id}"},
+    )
 
 
 @router.get("", response_model=JobList)

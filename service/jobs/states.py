@@ -104,11 +104,17 @@ _INSERT_EVENT = insert(JobEvent)
 
 
 def _add_events(
-    session: Session, job_id: int, last: int, items: list[tuple[str, dict[str, Any]]]
+    session: Session,
+    job_id: int,
+    last: int,
+    items: list[tuple[str, dict[str, Any]]],
+    *,
+    watched: bool = True,
 ) -> list[JobEvent]:
     """The rows go in through Core, on the session's connection: an event is never changed
     after it is written, so the unit of work's bookkeeping (a third of a submit's CPU with it)
-    buys nothing. The objects returned are not in the session."""
+    buys nothing. The objects returned are not in the session. `watched=False`: no stream
+    can be open on the job yet, so no wake-up is published for these."""
     now = utcnow()
     first = last - len(items) + 1
     events = [
@@ -120,7 +126,8 @@ def _add_events(
         [{"job_id": job_id, "seq": e.seq, "ts": now, "type": e.type, "data": e.data} for e in events],
     )
     enqueue_webhooks(session, job_id, events)  # contract §10: the outbox, in this transaction
-    mark_events(session, job_id)
+    if watched:
+        mark_events(session, job_id)
     return events
 
 
@@ -132,7 +139,10 @@ def create_job(session: Session, job: Job, reason: str = "submitted") -> JobEven
     job.last_event_seq = 1  # its first event's, written with the row: no `UPDATE … + 1`
     session.add(job)
     session.flush()
-    return _add_events(session, job.id, 1, [("state", {"state": job.state, "reason": reason})])[0]
+    # (a job that did not exist before this transaction has no open stream to wake: a stream
+    # of an unknown job is a 404)
+    first = [("state", {"state": job.state, "reason": reason})]
+    return _add_events(session, job.id, 1, first, watched=False)[0]
 
 
 def transition_job(session: Session, job: Job, new_state: str, reason: str | None = None) -> JobEvent:
