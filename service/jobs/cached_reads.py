@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any, TypeVar
 
 from fastapi.security import HTTPAuthorizationCredentials
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +28,7 @@ from service.jobs.states import QUEUED
 from service.jobs.view_cache import CachedCaller, CachedView, PageKey, ViewCache
 
 Read = tuple[CachedCaller | None, CachedView | None]
+T = TypeVar("T")
 
 
 async def job_view_json(
@@ -64,22 +67,38 @@ def _shared_read(
     if no invalidation came between that read's start and its own arrival, so it never gets
     an answer older than a change it could have seen. The read is its own task: a client
     that goes away does not cancel it for the others."""
-    generation = cache.generation
-    key = (token_hash, job_id)
-    flight = cache.reads_in_flight.get(key)
-    if cache.enabled and flight is not None and flight[0] == generation:
-        return flight  # (with the cache off no change is signalled: nothing can be shared)
-    read: asyncio.Future[Read] = asyncio.ensure_future(run_in_threadpool(_read, db, creds, job_id))
-    cache.reads_in_flight[key] = flight = (generation, read)
+    return shared_flight(
+        cache,
+        cache.reads_in_flight,
+        (token_hash, job_id),
+        lambda _generation: run_in_threadpool(_read, db, creds, job_id),
+    )
 
-    def landed(done: asyncio.Future[Read]) -> None:
-        if cache.reads_in_flight.get(key) is flight:
-            del cache.reads_in_flight[key]
+
+def shared_flight(
+    cache: ViewCache,
+    flights: dict[Any, tuple[int, Any]],
+    key: Hashable,
+    start: Callable[[int], Awaitable[T]],
+) -> tuple[int, asyncio.Future[T]]:
+    """(generation, future) of the work under way for `key` if nothing was invalidated since
+    it began, else of a new one, `start(generation)`, registered until it lands. The future
+    is its own task: a client that goes away does not cancel it for the others."""
+    generation = cache.generation
+    flight = flights.get(key)
+    if cache.enabled and flight is not None and flight[0] == generation:
+        return flight  # (with the cache off no change is signalled: nothing is shared)
+    future: asyncio.Future[T] = asyncio.ensure_future(start(generation))
+    flights[key] = entry = (generation, future)
+
+    def landed(done: asyncio.Future[T]) -> None:
+        if flights.get(key) is entry:
+            del flights[key]
         if not done.cancelled():
             done.exception()  # retrieved here, so an error nobody awaited is not logged as lost
 
-    read.add_done_callback(landed)
-    return flight
+    future.add_done_callback(landed)
+    return entry
 
 
 def _read(db: Database, creds: HTTPAuthorizationCredentials | None, job_id: int) -> Read:
@@ -160,23 +179,12 @@ def _shared_render(
     nothing changed, as `_shared_read` does for one job: a running job on the newest page is
     invalidated at each progress report, and every client listing at that moment missed it at
     once. A view carries no trace of who asked (the ids were filtered by owner already)."""
-    generation = cache.generation
-    flight = cache.renders_in_flight.get(job_ids)
-    if cache.enabled and flight is not None and flight[0] == generation:
-        return flight[1]
-    render: asyncio.Future[dict[int, CachedView]] = asyncio.ensure_future(
-        run_in_threadpool(_render, db, cache, job_ids, viewer, generation)
-    )
-    cache.renders_in_flight[job_ids] = entry = (generation, render)
-
-    def landed(done: asyncio.Future[dict[int, CachedView]]) -> None:
-        if cache.renders_in_flight.get(job_ids) is entry:
-            del cache.renders_in_flight[job_ids]
-        if not done.cancelled():
-            done.exception()  # retrieved here, so an error nobody awaited is not logged as lost
-
-    render.add_done_callback(landed)
-    return render
+    return shared_flight(
+        cache,
+        cache.renders_in_flight,
+        job_ids,
+        lambda generation: run_in_threadpool(_render, db, cache, job_ids, viewer, generation),
+    )[1]
 
 
 def _render(
