@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
+from workers.runtime.loader_workers import worker_context
+
 NUM_CLASSES = 10
 IMAGE_SHAPE = (1, 8, 8)
 DIGITS_SPLIT_SEED = 0  # the train/validation split never changes with the job's seed
@@ -233,6 +235,7 @@ def train_loader(dataset: Dataset, batch_sampler: EpochBatchSampler, opts: Loade
         pin_memory=opts.pin_memory,
         persistent_workers=opts.num_workers > 0,
         worker_init_fn=_ignore_sigterm,
+        multiprocessing_context=worker_context(dataset, opts.num_workers, opts.rank),
         generator=opts.generator(),
     )
 
@@ -250,5 +253,6 @@ def val_loader(
         pin_memory=opts.pin_memory,
         persistent_workers=opts.num_workers > 0,
         worker_init_fn=_ignore_sigterm,
+        multiprocessing_context=worker_context(shard, opts.num_workers, opts.rank),
         generator=opts.generator(),
     )

@@ -25,6 +25,7 @@ from workers.runtime.distributed import DistContext, barrier, init_distributed, 
 from workers.runtime.env import RuntimeEnv, runtime_env
 from workers.runtime.errors import PREEMPTED_EXIT_CODE, Preempted
 from workers.runtime.exiting import run_then_exit
+from workers.runtime.loader_workers import start_server as start_loader_server
 from workers.runtime.plan import RunPlan, make_plan
 from workers.runtime.preemption import ParentWatchdog, PreemptionFlag
 from workers.runtime.preflight import run_preflight
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     cpus = None if plan.is_cuda else use_slot_cpus(env)
     if cpus is not None:
         log(env.rank, f"CPU slots {','.join(map(str, env.slots or ()))}: {describe(cpus)}")
+    start_loader_server(config.hyperparameters.num_workers)  # after CPUs and workdir: it inherits both
     preflight_s = run_preflight(env)
     if preflight_s is not None and env.rank == 0:
         log(env.rank, f"pre-flight: all {env.world_size} ranks reached each other in {preflight_s:.2f} s")
