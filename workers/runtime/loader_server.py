@@ -1,5 +1,6 @@
-"""Imported by the forkserver that starts a rank's DataLoader workers (loader_workers.py), and
-by nothing else: importing it makes the importing process ignore SIGTERM.
+"""Imported by the forkserver that starts a rank's DataLoader workers when that server is a
+fresh interpreter (loader_workers.py: a rank that already had another thread), and by nothing
+else: importing it makes the importing process ignore SIGTERM.
 
 The platform stops a job with SIGTERM to the whole process group, so the rank can finish its
 step and save. The forkserver is in that group. If it died of the signal, every worker would

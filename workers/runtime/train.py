@@ -47,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     allow_stack_dumps()  # a silent job's stack, when py-spy cannot attach (contract §8)
     flag = PreemptionFlag().install()
     env = runtime_env()
-    if env.under_torchrun:
-        ParentWatchdog(flag).start()
     config = load_config(args.config)
     workdir = enter_workdir()  # a job with its own code: its factories import from its copy
     if workdir is not None:
@@ -57,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     cpus = None if plan.is_cuda else use_slot_cpus(env)
     if cpus is not None:
         log(env.rank, f"CPU slots {','.join(map(str, env.slots or ()))}: {describe(cpus)}")
-    start_loader_server(config.hyperparameters.num_workers)  # after CPUs and workdir: it inherits both
+    # after the CPUs and the workdir (the server inherits both), before any other thread (it
+    # is then a fork of this process: loader_workers.py)
+    start_loader_server(config.hyperparameters.num_workers)
+    if env.under_torchrun:
+        ParentWatchdog(flag).start()
     preflight_s = run_preflight(env)
     if preflight_s is not None and env.rank == 0:
         log(env.rank, f"pre-flight: all {env.world_size} ranks reached each other in {preflight_s:.2f} s")

@@ -104,35 +104,51 @@ def test_loader_workers_start_while_native_threads_enter_python() -> None:
     assert done.stdout.strip().splitlines()[-1] == "loader 100 ok"
 
 
-def test_the_forkserver_outlives_sigterm_and_ends_with_the_rank(tmp_path: Path) -> None:
+RANK = """\
+import os, sys, threading, time
+from multiprocessing import forkserver
+from workers.runtime import loader_workers
+if __name__ == '__main__':
+    if sys.argv[1] == 'threaded':
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    loader_workers.start_server(2)
+    print(forkserver._forkserver._forkserver_pid, flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize("rank_threads", ["one thread", "threaded"])
+def test_the_forkserver_outlives_sigterm_and_ends_with_the_rank(tmp_path: Path, rank_threads: str) -> None:
     """SIGTERM goes to the job's whole process group: the forkserver must not die of it (its
-    workers would take that for their rank's death), and must not outlive the rank."""
+    workers would take that for their rank's death), and must not outlive the rank. A rank
+    with one thread forks it (its command line is the rank's); one with another thread gets
+    multiprocessing's fresh interpreter."""
     script = tmp_path / "rank.py"
-    script.write_text(
-        "import os, sys, time\n"
-        "from multiprocessing import forkserver\n"
-        "from workers.runtime import loader_workers\n"
-        "if __name__ == '__main__':\n"
-        "    loader_workers.start_server(2)\n"
-        "    print(forkserver._forkserver._forkserver_pid, flush=True)\n"
-        "    sys.stdin.readline()\n"
-    )
+    script.write_text(RANK)
     rank = subprocess.Popen(
-        [sys.executable, str(script)], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, str(script), rank_threads],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert rank.stdout is not None and rank.stdin is not None
     server = int(rank.stdout.readline())
-    time.sleep(3)  # the server has imported its preload (torch) and set its handlers
+    assert _parent_of(server) == rank.pid
+    forked = Path(f"/proc/{server}/cmdline").read_text() == Path(f"/proc/{rank.pid}/cmdline").read_text()
+    assert forked == (rank_threads == "one thread")
+    if not forked:
+        time.sleep(4)  # the fresh server has imported its preload (torch) and set its handlers
     os.kill(server, signal.SIGTERM)
     time.sleep(0.5)
-    assert Path(f"/proc/{server}").exists() and _state(server) != "Z"
+    assert _state(server) not in ("Z", "gone")
     rank.stdin.write("\n")
     rank.stdin.close()
     rank.wait(timeout=30)
     deadline = time.monotonic() + 20
-    while Path(f"/proc/{server}").exists() and _state(server) != "Z" and time.monotonic() < deadline:
+    while _state(server) not in ("Z", "gone") and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not Path(f"/proc/{server}").exists() or _state(server) == "Z"
+    assert _state(server) in ("Z", "gone")
 
 
 def _state(pid: int) -> str:
