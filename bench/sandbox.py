@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--runs", type=int, default=6, help="launch rounds per mode")
-    parser.add_argument("--long-runs", type=int, default=16, help="rounds of the throughput job (noisy: more)")
+    parser.add_argument("--long-runs", type=int, default=16, help="rounds of the throughput job (noisy)")
     parser.add_argument("--bare-runs", type=int, default=8, help="pairs of bare torchrun, in bwrap and not")
     parser.add_argument("--synthetic-size", type=int, default=12288)
     parser.add_argument("--epochs", type=int, default=3)
