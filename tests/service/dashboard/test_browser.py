@@ -360,6 +360,8 @@ def test_the_job_view_shows_its_code_and_environment(stack: Stack, page: Any, tm
             )
         )
 
+    # the title shows at once (app.js sets it before the fetch); the facts come with the job
+    wait_for(lambda: "code" in facts(), 30, "the job's facts to render")
     shown = facts()
     assert shown["code"] == code, shown
     assert shown["environment"] == "pip: tabulate==0.10.0", shown
