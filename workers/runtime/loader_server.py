@@ -6,10 +6,10 @@ The platform stops a job with SIGTERM to the whole process group, so the rank ca
 step and save. The forkserver is in that group. If it died of the signal, every worker would
 see its parent change, which is how torch's worker watchdog tells that its rank is gone, and
 the workers would quit. The rank's next fetch would then fail before it could save. The
-server ignores SIGTERM, as the workers do, and still exits when the rank does: it holds one end of
-a pipe whose other end only the rank holds, and ends when that end closes. It imports torch once for all the
-workers, and it enters the job's own code the way the rank did, so that the job's data set
-classes unpickle in the workers.
+server ignores SIGTERM, as the workers do, and still exits when the rank does: it reads a pipe
+whose other end only the rank holds, and ends when that end closes. It imports torch once for
+all the workers, and it enters the job's own code the way the rank did, so that the job's data
+set classes unpickle in the workers.
 """
 
 from __future__ import annotations

@@ -10,18 +10,17 @@ do enter Python after a collective. The result was a job that hung for good on t
 `_PyThreadState_DeleteExcept`, and rank 0 waited in the all-reduce after it.
 `tests/workers/runtime/test_runtime_loader_workers.py` reproduces the race.
 
-So loader workers start from a forkserver (`multiprocessing`'s own). It is a fresh interpreter,
-started by fork+exec with no Python code run in between, and it stays single-threaded, so a
-worker forked from it is a fork of a process that has no other thread. That is also where
-CPython is going: 3.14 makes it the default on Linux.
+So loader workers start from a forkserver (`multiprocessing`'s). The server stays
+single-threaded, so a worker forked from it is a fork of a process that has no other thread.
+That is also where CPython is going: 3.14 makes it the default on Linux.
 
 The server costs nothing where it can be a fork of the rank itself. A rank starts it before it
 has any other Python thread and before the rendezvous makes gloo's threads (`start_server` runs
 before the parent watchdog starts). Its only other threads are then the BLAS library's pool
 (OpenBLAS starts one at numpy's import), which never enters Python and is fork-safe by its own
 `pthread_atfork` handlers, so the fork cannot inherit a held HEAD_LOCK. That fork already has
-torch and the job's code imported. A fresh interpreter had to import
-torch again: 1.5 s of CPU on this machine, which put DDP x2's first step 1.7 s later (median of
+torch and the job's code imported. A fresh interpreter has to import torch again: 1.5 s of CPU
+on this machine, which put DDP x2's first step 1.7 s later (median of
 4 pairs) on two busy cores. The server runs `multiprocessing.forkserver.main`, the stdlib's own
 loop, and ignores SIGTERM for the same reason the workers do (`data._ignore_sigterm`). If the
 rank already has another thread, or the stdlib's forkserver is not laid out as in 3.11–3.13,

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from workers.launcher.procs import parent_of
 from workers.runtime import loader_workers
 from workers.runtime.data import EpochBatchSampler, LoaderOptions, train_loader, val_loader
 
@@ -41,10 +42,6 @@ def _opts(workers: int) -> LoaderOptions:
     return LoaderOptions(num_workers=workers, pin_memory=False, seed=5, rank=0)
 
 
-def _parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def _epoch(dataset: Dataset, workers: int) -> tuple[Any, list[torch.Tensor]]:
     sampler = EpochBatchSampler(dataset, batch_size=4, num_replicas=1, rank=0, seed=5)
     sampler.set_epoch(0)
@@ -55,7 +52,7 @@ def _epoch(dataset: Dataset, workers: int) -> tuple[Any, list[torch.Tensor]]:
 def test_workers_are_not_forks_of_the_rank_and_give_the_same_batches() -> None:
     forkserved, batches = _epoch(Squares(), workers=2)
     pids = [w.pid for w in forkserved._iterator._workers]
-    assert len(pids) == 2 and all(_parent_of(pid) != os.getpid() for pid in pids)
+    assert len(pids) == 2 and all(parent_of(pid) != os.getpid() for pid in pids)
     _, in_process = _epoch(Squares(), workers=0)
     assert len(batches) == 10 and all(torch.equal(a, b) for a, b in zip(batches, in_process, strict=True))
     tensors = TensorDataset(torch.arange(40.0).unsqueeze(1), torch.zeros(40, dtype=torch.long))
@@ -71,7 +68,7 @@ def test_a_data_set_that_does_not_pickle_keeps_fork_and_the_log_says_why(
     assert "lambda" in (loader_workers.why_not_picklable(Unpicklable()) or "")
     forked, batches = _epoch(Unpicklable(), workers=2)
     assert len(batches) == 10
-    assert all(_parent_of(w.pid) == os.getpid() for w in forked._iterator._workers)
+    assert all(parent_of(w.pid) == os.getpid() for w in forked._iterator._workers)
     err = capfd.readouterr().err
     assert "[torchjobs rank 0] the data set does not pickle" in err and "gh-112275" in err
 
@@ -107,6 +104,7 @@ def test_loader_workers_start_while_native_threads_enter_python() -> None:
 RANK = """\
 import os, sys, threading, time
 from multiprocessing import forkserver
+from workers.launcher.procs import parent_of
 from workers.runtime import loader_workers
 if __name__ == '__main__':
     if sys.argv[1] == 'threaded':
@@ -134,7 +132,7 @@ def test_the_forkserver_outlives_sigterm_and_ends_with_the_rank(tmp_path: Path, 
     )
     assert rank.stdout is not None and rank.stdin is not None
     server = int(rank.stdout.readline())
-    assert _parent_of(server) == rank.pid
+    assert parent_of(server) == rank.pid
     forked = Path(f"/proc/{server}/cmdline").read_text() == Path(f"/proc/{rank.pid}/cmdline").read_text()
     assert forked == (rank_threads == "one thread")
     if not forked:
