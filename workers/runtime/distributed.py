@@ -63,6 +63,25 @@ def init_distributed(plan: RunPlan) -> DistContext:
     return DistContext(rank=plan.rank, world_size=plan.world_size, device=device, cpu_group=cpu_group)
 
 
+def describe_placement(plan: RunPlan) -> str:
+    """Where this rank computes, with each GPU's UUID as `nvidia-smi -L` prints it: a job's log
+    then names the physical GPU, whatever CUDA_VISIBLE_DEVICES renumbered (issue #22)."""
+    backend = plan.backend or "none (one process)"
+    if not plan.is_cuda:
+        return f"placement: cpu, backend {backend}"
+    indices = plan.dp_device_ids or (torch.device(plan.device).index or 0,)
+    gpus = "; ".join(f"cuda:{i} {_gpu_identity(i)}" for i in indices)
+    return f"placement: {gpus}, backend {backend}"
+
+
+def _gpu_identity(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid and not uuid.startswith(("GPU-", "MIG-")):
+        uuid = f"GPU-{uuid}"
+    return f"({props.name}{', ' + uuid if uuid else ''})"
+
+
 def teardown_distributed() -> None:
     """Leave the process group, on every exit path (success, error, preemption)."""
     if dist.is_available() and dist.is_initialized():

@@ -21,7 +21,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from workers.runtime.checkpoint import load_checkpoint
 from workers.runtime.config import TrainConfig, load_config
 from workers.runtime.cpus import describe, use_slot_cpus
-from workers.runtime.distributed import DistContext, barrier, init_distributed, teardown_distributed
+from workers.runtime.distributed import (
+    DistContext,
+    barrier,
+    describe_placement,
+    init_distributed,
+    teardown_distributed,
+)
 from workers.runtime.env import RuntimeEnv, runtime_env
 from workers.runtime.errors import PREEMPTED_EXIT_CODE, Preempted
 from workers.runtime.exiting import run_then_exit
@@ -66,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     resume = load_checkpoint(env.resume_from) if env.resume_from is not None else None
     try:
         ctx = init_distributed(plan)
+        log(env.rank, describe_placement(plan))
         code = _train(config=config, plan=plan, env=env, ctx=ctx, flag=flag, resume=resume)
         barrier(ctx)  # leave the group together, not while a peer is still mid-exchange
         return code

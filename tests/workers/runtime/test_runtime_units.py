@@ -21,7 +21,7 @@ from workers.runtime.data import (
     synthetic_tensors,
     train_loader,
 )
-from workers.runtime.distributed import DistContext, StopAgreement
+from workers.runtime.distributed import DistContext, StopAgreement, describe_placement
 from workers.runtime.env import RuntimeEnv, runtime_env
 from workers.runtime.errors import ConfigError
 from workers.runtime.models import build_cnn, build_mlp
@@ -126,6 +126,7 @@ def test_ddp_on_cpu_uses_gloo() -> None:
         parse_config(_config(accelerator="cpu")), RuntimeEnv.from_environ(TORCHRUN_ENV), cuda_device_count=2
     )
     assert (plan.backend, plan.device) == ("gloo", "cpu")
+    assert describe_placement(plan) == "placement: cpu, backend gloo"  # the GPU form: tests/gpu
 
 
 def test_config_accelerator_wins_over_the_environment() -> None:
