@@ -2,6 +2,9 @@
 
     .venv/bin/python bench/trainer_vs_seed.py            # single and 2-process ddp on CPU, ~1-2 min
     .venv/bin/python bench/trainer_vs_seed.py --runs 5 --epochs 6 --modes ddp
+    .venv/bin/python bench/trainer_vs_seed.py --amp bf16       # autocast on both sides
+    .venv/bin/python bench/trainer_vs_seed.py --compile        # torch.compile on both sides
+    python3 bench/trainer_vs_seed.py --accelerator cuda --amp fp16 --nproc 1   # a GPU host
 
 Both sides train the same model (builtin cnn) on the same data (builtin synthetic) with the same
 batch size, each launched by torchrun exactly as a job is. Throughput is global samples per
@@ -84,6 +87,10 @@ def seed_worker(args: argparse.Namespace) -> None:
             net.to(device), device_ids=[local_rank] if cuda else None, broadcast_buffers=False
         )
     optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=1e-3)
+    if args.compile:  # what the trainer compiles too: the model as it trains, wrapper and all
+        net = torch.compile(net)
+    scaler = torch.amp.GradScaler("cuda") if args.amp == "fp16" else None
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     per_epoch = []
     for epoch in range(args.epochs):
         if sampler is not None:
@@ -91,10 +98,16 @@ def seed_worker(args: argparse.Namespace) -> None:
         steps, t0 = 0, time.perf_counter()
         for x, y in loader:
             x, y = x.to(device, non_blocking=cuda), y.to(device, non_blocking=cuda)
-            loss = F.cross_entropy(net(x), y)
+            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+                loss = F.cross_entropy(net(x), y)
             optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
             steps += 1
         if cuda:
             torch.cuda.synchronize()
@@ -158,6 +171,8 @@ def run_trainer(args: argparse.Namespace, mode: str, workdir: Path) -> float:
             "synthetic_size": args.synthetic_size,
             "checkpoint_every": 1,
             "report_every": 1_000_000,
+            "amp": args.amp,
+            "compile": args.compile,
         },
     }
     (workdir / "config.json").write_text(json.dumps(config))
@@ -196,6 +211,8 @@ def run_seed(args: argparse.Namespace, mode: str, workdir: Path) -> float:
         str(args.synthetic_size),
         "--accelerator",
         args.accelerator,
+        *(["--amp", args.amp] if args.amp else []),
+        *(["--compile"] if args.compile else []),
     ]
     _torchrun(args.nproc if mode == "ddp" else 1, target, _env(), workdir)
     return _after_warmup(json.loads((workdir / "seed.json").read_text()))
@@ -233,8 +250,8 @@ def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"cnn on synthetic ({args.synthetic_size} samples), batch {args.batch_size} per process, "
-        f"{args.accelerator}, num_workers={args.num_workers}, {args.epochs} epochs (first excluded), "
-        f"{args.runs} runs each; global samples/sec"
+        f"{args.accelerator}, num_workers={args.num_workers}, amp={args.amp}, compile={args.compile}, "
+        f"{args.epochs} epochs (first excluded), {args.runs} runs each; global samples/sec"
     )
     print(f"{'mode':<10} {'trainer':>10} {'seed loop':>10} {'ratio':>7} {'min':>7} {'max':>7}")
     for r in rows:
@@ -259,6 +276,8 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--synthetic-size", type=int, default=12288)
     parser.add_argument("--accelerator", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--amp", choices=["bf16", "fp16"], help="autocast on both sides (fp16: CUDA only)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile on both sides")
     args = parser.parse_args()
     if args.seed_worker:
         seed_worker(args)
