@@ -60,7 +60,7 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
         progress = [e for e in batch.events if e.get("type", "progress") == "progress"]
         if not progress:
             return _control(session, key.job_id) if batch.stopping else touch_report(session, key)
-        cleaned = [_clean(event) for event in progress]
+        cleaned = [with_fraction(_clean(event)) for event in progress]
         job = append_attempt_events(
             session, key.job_id, key.attempt, [("progress", d) for d in cleaned], touch=not batch.stopping
         )
@@ -139,6 +139,24 @@ def _clean(event: dict[str, Any]) -> dict[str, Any]:
         if v is None or isinstance(v, (bool, int, float, str)):
             out[k[:64]] = v[:1000] if isinstance(v, str) else v
     return out
+
+
+def with_fraction(data: dict[str, Any]) -> dict[str, Any]:
+    """A progress event carries every progress field of the contract, `fraction` too (the share
+    of the job done, as the Job's `progress` shows it); a report's own number is kept."""
+    if _number(data.get("fraction")) is not None:
+        return data
+    data["fraction"] = None
+    for done, whole in (("step", "total_steps"), ("epoch", "epochs")):
+        a, b = _number(data.get(done)), _number(data.get(whole))
+        if a is not None and b is not None and b > 0:
+            data["fraction"] = min(1.0, max(0.0, a / b))
+            break
+    return data
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def job_control(db: Database, job_id: int) -> JobControl | None:

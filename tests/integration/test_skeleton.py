@@ -50,6 +50,8 @@ def test_builtin_job_runs_to_success(stack: Stack, mode: str, gpus: int, tmp_pat
     assert states_of(events) == ["queued", "scheduled", "running", "succeeded"]
     epochs_reported = {e["data"]["epoch"] for e in events if e["type"] == "progress"}
     assert {1, 2} <= epochs_reported  # at least one progress event per epoch
+    fractions = [e["data"]["fraction"] for e in events if e["type"] == "progress"]
+    assert fractions == sorted(fractions) and fractions[0] > 0 and fractions[-1] == 1.0  # §2's fields
     checkpoints = [e["data"] for e in events if e["type"] == "checkpoint"]
     assert [c["epoch"] for c in checkpoints] == [1, 2]
     assert checkpoints[-1]["step"] == done["progress"]["step"]  # told by the trainer, not guessed
