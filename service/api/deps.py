@@ -8,19 +8,21 @@ first query) and ends in one hop: a GET pays for its queries, not for thread han
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, cast
 
 import anyio
 from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import AfterValidator, BeforeValidator, WithJsonSchema
+from pydantic_core import PydanticUseDefault
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from service.auth.tokens import presented_token, user_for_token
 from service.config import Settings
 from service.db import Database
-from service.errors import Forbidden, Unauthorized
+from service.errors import Forbidden, NotFound, Unauthorized
 from service.jobs import service as jobs_service
 from service.models import Job, User, Webhook
 from service.schemas import MAX_ID
@@ -32,8 +34,43 @@ BearerCreds = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 # HTTP's safe methods: their routes only read, so their session is a read-only one
 # (`Database.read_sessionmaker`: no write lock on SQLite, no BEGIN/COMMIT on PostgreSQL).
 READ_METHODS = frozenset({"GET", "HEAD"})
-JobIdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
-WebhookIdPath = Annotated[int, Path(ge=1, le=MAX_ID)]
+
+
+def known_id(what: str) -> Callable[[int], int]:
+    """An integer id that no row can have (0, negative, past MAX_ID) names nothing: a 404, as
+    an unknown id in range is (contract §2), found without a query. A non-integer stays a 422.
+    The NotFound raised here is not a ValueError, so it passes through validation untouched."""
+
+    def check(value: int) -> int:
+        if not 1 <= value <= MAX_ID:
+            raise NotFound(what)
+        return value
+
+    return check
+
+
+def _blank_is_absent(value: object) -> object:
+    if value == "":
+        raise PydanticUseDefault()
+    return value
+
+
+# `?state=&limit=` (the contract writes its routes so): an empty query value is the parameter
+# left out, its default, rather than a 422 for "" not being a state or a number.
+BlankIsAbsent = BeforeValidator(_blank_is_absent)
+
+
+def int_or_blank(minimum: int, maximum: int) -> WithJsonSchema:
+    """The OpenAPI schema of an integer query parameter with `BlankIsAbsent`: the integer, or
+    the empty string that stands for leaving it out (so a client built from the schema knows)."""
+    whole = {"type": "integer", "minimum": minimum, "maximum": maximum}
+    return WithJsonSchema({"anyOf": [whole, {"type": "string", "maxLength": 0}]})
+
+
+JobIdPath = Annotated[int, Path(), AfterValidator(known_id("job"))]
+WebhookIdPath = Annotated[int, Path(), AfterValidator(known_id("webhook"))]
+CheckpointIdPath = Annotated[int, Path(), AfterValidator(known_id("checkpoint"))]
+UserIdPath = Annotated[int, Path(), AfterValidator(known_id("user"))]
 
 
 async def presented_creds(creds: BearerCreds) -> HTTPAuthorizationCredentials:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AfterValidator
 from starlette.requests import ClientDisconnect
 
 from service.api.deps import (
     BriefUserDep,
+    CheckpointIdPath,
     DbDep,
     JobDep,
     PresentedCreds,
@@ -28,10 +29,10 @@ from service.api.deps import (
 from service.checkpoints import service
 from service.checkpoints.schemas import CheckpointList
 from service.models import Checkpoint
-from service.schemas import MAX_ID, CheckpointOut, checkpoint_out, require_storable
+from service.schemas import CheckpointOut, checkpoint_out, require_storable
 
 router = APIRouter(tags=["checkpoints"])
-CkptId = Annotated[int, Path(ge=1, le=MAX_ID)]
+CkptId = CheckpointIdPath
 
 
 def caller_checkpoint(session: SessionDep, user: UserDep, ckpt_id: CkptId) -> Checkpoint:

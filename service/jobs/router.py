@@ -7,6 +7,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from starlette.concurrency import run_in_threadpool
 
 from service.api.deps import (
+    BlankIsAbsent,
     DbDep,
     JobDep,
     JobIdPath,
@@ -16,6 +17,7 @@ from service.api.deps import (
     StorageDep,
     UserDep,
     current_user,
+    int_or_blank,
 )
 from service.checkpoints.resume_check import check_resumable
 from service.config import Settings
@@ -109,10 +111,16 @@ async def list_jobs(
     request: Request,
     db: DbDep,
     creds: PresentedCreds,
-    state: Annotated[str | None, Query(max_length=16)] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    cursor: Annotated[str | None, Query(max_length=32)] = None,
-    parent: Annotated[int | None, Query(ge=1, le=MAX_ID, description="a sweep's id: its children")] = None,
+    state: Annotated[str | None, Query(max_length=16), BlankIsAbsent] = None,
+    limit: Annotated[int, Query(ge=1, le=500), BlankIsAbsent, int_or_blank(1, 500)] = 50,
+    cursor: Annotated[str | None, Query(max_length=32), BlankIsAbsent] = None,
+    parent: Annotated[
+        int | None,
+        Query(ge=1, le=MAX_ID, description="a sweep's id: its children"),
+        BlankIsAbsent,
+        int_or_blank,
+        int_or_blank(1, MAX_ID),
+    ] = None,
 ) -> Response:
     """Newest first. The page is assembled from the job-view cache's rendered jobs where it
     holds them, in one thread-pool hop (`service.jobs.cached_reads`)."""
@@ -140,8 +148,8 @@ def cancel_job(job: JobDep, session: SessionDep, user: UserDep) -> JobOut:
 def list_events(
     job: JobDep,
     session: SessionDep,
-    after: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
-    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    after: Annotated[int, Query(ge=0, le=MAX_ID), BlankIsAbsent, int_or_blank(0, MAX_ID)] = 0,
+    limit: Annotated[int, Query(ge=1, le=10_000), BlankIsAbsent, int_or_blank(1, 10_000)] = 1000,
 ) -> EventList:
     return EventList(items=service.list_events(session, job, after, limit))
 

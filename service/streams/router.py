@@ -6,18 +6,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import PlainTextResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from service.api.deps import (
+    BlankIsAbsent,
     DbDep,
     JobDep,
+    JobIdPath,
     PresentedCreds,
     SessionDep,
     SettingsDep,
     caller_job,
     current_user,
+    int_or_blank,
 )
 from service.auth.tokens import presented_token, user_for_token
 from service.models import Job
@@ -27,11 +30,24 @@ from service.streams.service import CallerCheck, LogEnd, Streams
 
 router = APIRouter(tags=["streams"])
 
-Position = Annotated[int, Query(ge=0, le=2**62)]
-Seq = Annotated[int, Query(ge=0, le=MAX_ID)]
-Node = Annotated[int, Query(ge=0, le=100_000, description="node rank")]
-Rank = Annotated[int, Query(ge=0, le=100_000, description="local rank on that node")]
-Attempt = Annotated[int | None, Query(ge=1, le=1_000_000, description="default: the latest")]
+Position = Annotated[int, Query(ge=0, le=2**62), BlankIsAbsent, int_or_blank(0, 2**62)]
+Seq = Annotated[int, Query(ge=0, le=MAX_ID), BlankIsAbsent, int_or_blank(0, MAX_ID)]
+Node = Annotated[
+    int, Query(ge=0, le=100_000, description="node rank"), BlankIsAbsent, int_or_blank(0, 100_000)
+]
+Rank = Annotated[
+    int,
+    Query(ge=0, le=100_000, description="local rank on that node"),
+    BlankIsAbsent,
+    int_or_blank(0, 100_000),
+]
+Attempt = Annotated[
+    int | None,
+    Query(ge=1, le=1_000_000, description="default (or empty): the latest"),
+    BlankIsAbsent,
+    int_or_blank,
+    int_or_blank(1, 1_000_000),
+]
 LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)]
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -39,7 +55,7 @@ STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def stream_job(
     db: DbDep,
     creds: PresentedCreds,
-    job_id: Annotated[int, Path(ge=1, le=MAX_ID)],
+    job_id: JobIdPath,
 ) -> Job:
     """`caller_job` in a read of its own that ends before the stream starts: a request-scoped
     session would stay open (on SQLite, holding the write lock) for as long as the stream."""

@@ -5,16 +5,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.api.deps import SessionDep, UserDep
+from service.api.deps import BlankIsAbsent, SessionDep, UserDep
 from service.errors import InvalidQuery
 from service.usage import service
 from service.usage.schemas import UsageList
 
 router = APIRouter(prefix="/v1", tags=["usage"])
-ISO_TIME = r"^\d{4}-\d{2}-\d{2}([T ][0-9:.]+(Z|[+-]\d{2}:?\d{2})?)?$"
+ISO_TIME = r"^(\d{4}-\d{2}-\d{2}([T ][0-9:.]+(Z|[+-]\d{2}:?\d{2})?)?)?$"  # or empty: left out
 Moment = Annotated[
     str | None,
     Query(max_length=40, pattern=ISO_TIME, description="ISO 8601, e.g. 2026-12-01T00:00:00Z; no zone: UTC"),
+    BlankIsAbsent,
 ]
 
 
@@ -22,7 +23,7 @@ Moment = Annotated[
 def usage(
     session: SessionDep,
     caller: UserDep,
-    user: Annotated[str | None, Query(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f]+$")] = None,
+    user: Annotated[str | None, Query(max_length=128, pattern=r"^[^\x00-\x1f]*$"), BlankIsAbsent] = None,
     since: Moment = None,
     until: Moment = None,
 ) -> UsageList:

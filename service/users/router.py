@@ -1,11 +1,8 @@
 from __future__ import annotations
 
-from typing import Annotated
+from fastapi import APIRouter, Response
 
-from fastapi import APIRouter, Path, Response
-
-from service.api.deps import AdminDep, SessionDep, UserDep
-from service.schemas import MAX_ID
+from service.api.deps import AdminDep, SessionDep, UserDep, UserIdPath
 from service.users import service
 from service.users.schemas import UserCreate, UserCreated, UserList, UserOut, UserPatch
 
@@ -23,9 +20,7 @@ def list_users(session: SessionDep, _admin: AdminDep) -> UserList:
 
 
 @router.patch("/users/{user_id}", response_model=UserOut)
-def patch_user(
-    user_id: Annotated[int, Path(ge=1, le=MAX_ID)], body: UserPatch, session: SessionDep, _admin: AdminDep
-) -> UserOut:
+def patch_user(user_id: UserIdPath, body: UserPatch, session: SessionDep, _admin: AdminDep) -> UserOut:
     """The admin changes a user's max_priority or gpu_quota (contract §9)."""
     return service.patch_user(session, user_id, body)
 
@@ -36,17 +31,13 @@ def me(user: UserDep, session: SessionDep) -> UserOut:
 
 
 @router.delete("/users/{user_id}/tokens", status_code=204)
-def revoke_tokens(
-    user_id: Annotated[int, Path(ge=1, le=MAX_ID)], session: SessionDep, _admin: AdminDep
-) -> Response:
+def revoke_tokens(user_id: UserIdPath, session: SessionDep, _admin: AdminDep) -> Response:
     service.rotate_token(session, user_id, issue_new=False)
     return Response(status_code=204)
 
 
 @router.post("/users/{user_id}/tokens", status_code=201, response_model=UserCreated)
-def issue_token(
-    user_id: Annotated[int, Path(ge=1, le=MAX_ID)], session: SessionDep, _admin: AdminDep
-) -> UserCreated:
+def issue_token(user_id: UserIdPath, session: SessionDep, _admin: AdminDep) -> UserCreated:
     created = service.rotate_token(session, user_id, issue_new=True)
     assert created is not None
     return created

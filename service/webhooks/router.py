@@ -6,7 +6,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Response
 
-from service.api.deps import BriefUserDep, SessionDep, SettingsDep, UserDep, WebhookDep
+from service.api.deps import (
+    BlankIsAbsent,
+    BriefUserDep,
+    SessionDep,
+    SettingsDep,
+    UserDep,
+    WebhookDep,
+    int_or_blank,
+)
 from service.webhooks import service
 from service.webhooks.schemas import DeliveryList, WebhookCreated, WebhookIn, WebhookList
 
@@ -47,8 +55,8 @@ def delete_webhook(webhook: WebhookDep, session: SessionDep) -> Response:
 def list_deliveries(
     webhook: WebhookDep,
     session: SessionDep,
-    limit: Annotated[int, Query(ge=1, le=100)] = 20,
-    cursor: Annotated[str | None, Query(max_length=32)] = None,
+    limit: Annotated[int, Query(ge=1, le=100), BlankIsAbsent, int_or_blank(1, 100)] = 20,
+    cursor: Annotated[str | None, Query(max_length=32), BlankIsAbsent] = None,
 ) -> DeliveryList:
     """Newest first, each with its latest attempts and their HTTP status."""
     return service.list_deliveries(session, webhook, limit, cursor)

@@ -102,6 +102,21 @@ def test_a_missing_token_is_401_even_on_a_malformed_path(stack: Stack, method: s
     assert resp.status_code == 401, resp.text
 
 
+INTEGER_IDS = re.compile(r"\{(job_id|user_id|ckpt_id|checkpoint_id|webhook_id)\}")
+
+
+@pytest.mark.parametrize(("method", "path"), [op for op in every_operation() if INTEGER_IDS.search(op[1])])
+def test_an_id_no_row_can_have_is_a_404_and_a_word_a_422(stack: Stack, method: str, path: str) -> None:
+    """Contract §2: unknown is a 404, also for 0, -1 and ids past the column's range (answered
+    without a query: PostgreSQL would refuse 2**70 as a parameter)."""
+    with stack.client() as c:
+        for unknown in ("0", "-1", str(2**31), str(2**70)):
+            resp = c.request(method, INTEGER_IDS.sub(unknown, path))
+            assert resp.status_code == 404, (unknown, resp.text)
+            assert resp.json()["detail"].endswith("not found")
+        assert c.request(method, INTEGER_IDS.sub("abc", path)).status_code == 422
+
+
 def test_me_and_admin_only_user_creation(stack: Stack, users: dict[str, str]) -> None:
     with stack.client(users["alice"]) as c:
         me = c.get("/v1/me").json()
@@ -259,3 +274,20 @@ def test_list_pages_newest_first_with_a_cursor_and_filters_by_state(
         assert {j["state"] for j in queued} == {"queued"}
         assert bob.get("/v1/jobs", params={"state": "sleeping"}).status_code == 422
         assert bob.get("/v1/jobs", params={"limit": 0}).status_code == 422
+
+
+def test_an_empty_query_value_is_the_parameter_left_out(stack: Stack, users: dict[str, str]) -> None:
+    """The contract writes `?state=&limit=&cursor=` and `?...&attempt=`: taken literally, each
+    empty value means its default, not a 422."""
+    spec = {"mode": "single", "entrypoint": {"kind": "script", "path": "ok.py"}}
+    with stack.client(users["bob"]) as bob:
+        job = bob.post("/v1/jobs", json=spec).json()["id"]
+        everything = bob.get("/v1/jobs", params={"limit": 50}).json()
+        assert bob.get("/v1/jobs?state=&limit=&cursor=&parent=").json() == everything
+        events = bob.get(f"/v1/jobs/{job}/events").json()
+        assert bob.get(f"/v1/jobs/{job}/events?after=&limit=").json() == events
+        logs = bob.get(f"/v1/jobs/{job}/logs?node=&rank=&offset=&attempt=")
+        plain = bob.get(f"/v1/jobs/{job}/logs")
+        assert (logs.status_code, logs.text) == (plain.status_code, plain.text) and logs.status_code < 500
+        assert bob.get("/v1/usage?user=&since=&until=").status_code == 200
+        assert bob.get("/v1/jobs?limit=0").status_code == 422  # a value that is there is still checked
