@@ -13,7 +13,9 @@ from service.jobs.spec import Input
 # a webhook may ask for any of them, and for nothing else.
 EventType = Literal["state", "progress", "checkpoint", "stall", "quarantine", "environment"]
 MAX_URL = 2048
-SECRET = Annotated[str, Field(min_length=16, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+# Any key a user picks (the contract sets no rule), but no control characters: it travels in
+# JSON and is used as its UTF-8 bytes.
+SECRET = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
 
 
 def default_events() -> list[EventType]:
@@ -24,7 +26,7 @@ class WebhookIn(Input):
     url: str = Field(min_length=1, max_length=MAX_URL, description="http(s) URL the events are POSTed to")
     events: list[EventType] = Field(default_factory=default_events, min_length=1, max_length=16)
     secret: SECRET | None = Field(
-        None, description="HMAC-SHA256 key (16-256 printable ASCII characters); generated when absent"
+        None, description="HMAC-SHA256 key (1-256 characters, no control characters); generated when absent"
     )
     all: bool = Field(False, description="the admin only: every user's jobs, not only their own")
 

@@ -29,14 +29,19 @@ from service.webhooks.schemas import (
     WebhookOut,
 )
 from service.webhooks.signing import event_id
-from service.webhooks.targets import TargetRefused, check_target
+from service.webhooks.targets import TargetRefused, Unresolved, check_target
 
 
 def check_url(settings: Settings, url: str) -> None:
-    """422 on `url` unless it is an http(s) URL whose host resolves, to public addresses only
-    (or to any, with TORCHJOBS_WEBHOOK_ALLOW_PRIVATE=true)."""
+    """422 on `url` unless it is an http(s) URL whose host resolves to public addresses only
+    (or to any, with TORCHJOBS_WEBHOOK_ALLOW_PRIVATE=true). A host that does not resolve yet
+    is taken (contract §10 refuses what resolves to a private address, and DNS may come later):
+    every delivery checks the target again, and a send to no address is a failed attempt,
+    retried."""
     try:
         check_target(url, allow_private=settings.webhook_allow_private)
+    except Unresolved:
+        return
     except TargetRefused as exc:
         raise InvalidSpec(("url",), str(exc), "url_refused") from None
 

@@ -23,6 +23,10 @@ class TargetRefused(ValueError):
     """Why a URL is no webhook target; the message is shown to the user."""
 
 
+class Unresolved(TargetRefused):
+    """The host does not resolve now: no send is possible, yet nothing says it is private."""
+
+
 @dataclass(frozen=True)
 class Target:
     scheme: str
@@ -90,14 +94,14 @@ def resolve(host: str, port: int, resolver: Resolver = socket.getaddrinfo) -> tu
     try:
         infos = resolver(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError, ValueError) as exc:
-        raise TargetRefused(f"the host {host!r} does not resolve ({exc})") from None
+        raise Unresolved(f"the host {host!r} does not resolve ({exc})") from None
     addresses: list[str] = []
     for info in infos:
         address = str(info[4][0])
         if address not in addresses:
             addresses.append(address)
     if not addresses:
-        raise TargetRefused(f"the host {host!r} does not resolve")
+        raise Unresolved(f"the host {host!r} does not resolve")
     return tuple(addresses)
 
 

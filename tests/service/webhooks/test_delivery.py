@@ -154,6 +154,27 @@ def test_a_name_that_now_resolves_to_a_private_address_is_not_sent_to(
     assert receiver.calls == []
 
 
+def test_a_name_that_does_not_resolve_is_a_failed_attempt_kept_for_retry(
+    settings: Settings, db: Database, receiver: Receiver
+) -> None:
+    """Registration takes a name that does not resolve yet (contract §10 refuses only private
+    targets); each send checks it again, and no address is a failed attempt, still pending."""
+
+    def nowhere(host: str, port: int, **_kw: object) -> list[tuple]:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    owner = register(db, f"http://later.test:{receiver.port}/hook")
+    with db.transaction() as s:
+        make_job(s, owner)
+    sender = Sender(db, settings, resolver=nowhere)
+    one_delivery(db, sender)
+    sender.close()
+    [row] = deliveries(db)
+    assert row.status == "pending" and row.last_status_code is None
+    assert "does not resolve" in (row.last_error or "")
+    assert receiver.calls == []
+
+
 def test_the_address_checked_is_the_one_connected_to(
     settings: Settings, db: Database, receiver: Receiver
 ) -> None:
