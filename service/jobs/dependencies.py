@@ -24,8 +24,9 @@ NEVER_SUCCEEDS = frozenset({JobState.FAILED, JobState.CANCELLED, JobState.CANCEL
 
 
 def check_dependencies(session: Session, spec: JobSpec, user: User) -> None:
-    """Each named job exists and is the caller's (for the admin too), and can still meet
-    its condition: a dependency that already failed is refused here, not accepted to fail."""
+    """Each named job exists and is the caller's (for the admin too). One that can no longer
+    meet its condition is no error in the spec: the job is taken, and fails at once
+    (`add_dependencies`), with an `error` naming it, as contract §10 says."""
     if not spec.depends_on:
         return
     ids = [d.job_id for d in spec.depends_on]
@@ -37,10 +38,6 @@ def check_dependencies(session: Session, spec: JobSpec, user: User) -> None:
             raise InvalidSpec(
                 ("depends_on", i, "job_id"), "no such job (a dependency names one of your existing jobs)"
             )
-        if dep.condition == "succeeded" and row.state in NEVER_SUCCEEDS:
-            raise InvalidSpec(
-                ("depends_on", i, "job_id"), f"job {dep.job_id} is {row.state}: it can never succeed"
-            )
 
 
 def resumes_from_dependency(spec: JobSpec) -> bool:
@@ -51,9 +48,13 @@ def resumes_from_dependency(spec: JobSpec) -> bool:
 
 
 def add_dependencies(session: Session, job: Job, spec: JobSpec) -> None:
+    """The job's dependencies; when one already failed or was cancelled, the job fails now, in
+    the submit's transaction, as a cancel fails the jobs waiting on it."""
     session.add_all(
         JobDependency(job_id=job.id, depends_on_id=d.job_id, condition=d.condition) for d in spec.depends_on
     )
+    session.flush()
+    fail_doomed(session, readiness(session, [job.id]).doomed)
 
 
 @dataclass
