@@ -39,6 +39,7 @@ from service.usage.accounting import gpus_in_use
 
 log = logging.getLogger("torchjobs.scheduler")
 ADVISORY_KEY = 0x746A6F6273  # "tjobs"
+MAX_PENDING_REASON = 512  # the column's length (PostgreSQL refuses a longer value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -335,7 +336,7 @@ def _write_pending_reasons(session: Session, rows: Any, reasons: dict[int, str],
     current = {r.id: r.pending_reason for r in rows}
     changed = []
     for job_id, reason in reasons.items():
-        reason = reason if any_worker else "no worker is online"
+        reason = (reason if any_worker else "no worker is online")[:MAX_PENDING_REASON]
         if current.get(job_id) != reason:
             changed.append({"id": job_id, "pending_reason": reason})
     if changed:

@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+MAX_NAMED_HOSTS = 5  # a pending_reason names at most this many quarantined hosts, then counts
+
 
 @dataclass(frozen=True, kw_only=True)
 class Host:
@@ -120,8 +122,10 @@ def plan(
     order = FairOrder(jobs, {k: replace(o) for k, o in (owners or {}).items()})  # inputs stay as given
     limits = {k: replace(v) for k, v in (sweeps or {}).items()}
     for job in order:
-        if blocker is not None:
-            result.pending_reasons[job.id] = f"waiting behind job {blocker.id}, which has waited longest"
+        if blocker is not None:  # another user's job is named to no one but the admin (contract §7)
+            named = blocker.owner == job.owner or job.by_admin
+            whose = f"job {blocker.id}" if named else "another user's job"
+            result.pending_reasons[job.id] = f"waiting behind {whose}, which has waited longest"
             continue
         owner, need = order.owner(job.owner), job.nodes * job.gpus_per_node
         if owner.quota is not None and owner.in_use + need > owner.quota:
@@ -173,6 +177,8 @@ def _reason(job: QueuedJob, fitting: int, unsandboxed: int = 0, quarantined: lis
     if unsandboxed:
         reason += f" ({unsandboxed} more without a sandbox take only the admin's jobs)"
     if quarantined:
-        names = ", ".join(quarantined)
+        names = ", ".join(quarantined[:MAX_NAMED_HOSTS])
+        if len(quarantined) > MAX_NAMED_HOSTS:
+            names += f" and {len(quarantined) - MAX_NAMED_HOSTS} more"
         reason += f"; quarantined, and would fit: {names} (an admin's POST /v1/workers/NAME/readmit)"
     return reason

@@ -180,3 +180,23 @@ def test_a_quota_counts_every_gpu_of_a_multi_node_job() -> None:
     job = QueuedJob(id=1, priority=0, nodes=2, gpus_per_node=2, owner=1)
     assert plan([job], hosts, 300, {1: Owner(quota=3)}).placements == {}
     assert set(plan([job], hosts, 300, {1: Owner(quota=4)}).placements) == {1}
+
+
+def test_a_job_stuck_behind_another_users_job_is_not_told_its_id() -> None:
+    """Contract §7: nothing of another user's jobs, not even in a pending_reason."""
+    busy = [Host(name="a", free=(1,))]
+    starving = QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=2, waited_s=301, owner=10, by_admin=False)
+    mine = QueuedJob(id=2, priority=0, nodes=1, gpus_per_node=1, owner=10, by_admin=False)
+    theirs = QueuedJob(id=3, priority=0, nodes=1, gpus_per_node=1, owner=11, by_admin=False)
+    admins = QueuedJob(id=4, priority=0, nodes=1, gpus_per_node=1, owner=12, by_admin=True)
+    reasons = plan([starving, mine, theirs, admins], busy, starvation_s=300).pending_reasons
+    assert reasons[2] == "waiting behind job 1, which has waited longest"
+    assert reasons[3] == "waiting behind another user's job, which has waited longest"
+    assert reasons[4] == "waiting behind job 1, which has waited longest"  # the admin sees all
+
+
+def test_many_quarantined_hosts_are_counted_not_all_named() -> None:
+    hosts = [Host(name=f"sick-{i:03d}-" + "x" * 100, free=(0, 1), quarantined=True) for i in range(40)]
+    reason = plan([QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=2)], hosts, 300).pending_reasons[1]
+    assert "sick-004" in reason and "sick-005" not in reason and "and 35 more" in reason
+    assert len(reason) <= 1000
