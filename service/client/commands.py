@@ -133,15 +133,26 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=SpecLoader)  # noqa: S506 - a SafeLoader subclass
 
 
-def env_as_text(spec: dict[str, Any]) -> None:
-    """`env: {OMP_NUM_THREADS: 1}` in YAML is a number; the ranks' environment is text."""
-    env = spec.get("env")
-    if isinstance(env, dict):
-        for key, value in env.items():
-            if isinstance(value, bool):
-                env[key] = "true" if value else "false"
-            elif isinstance(value, int | float):
-                env[key] = str(value)
+def _text(value: Any) -> Any:
+    """A YAML scalar as the text it was written as: `1` and `true` unquoted are not strings."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+def scalars_as_text(spec: dict[str, Any]) -> None:
+    """`env: {OMP_NUM_THREADS: 1}`, `labels: {v: 2}` and `args: [--epochs, 2]` in YAML hold
+    numbers; the ranks' environment, labels and a script's argv are text."""
+    for field in ("env", "labels"):
+        mapping = spec.get(field)
+        if isinstance(mapping, dict):
+            for key, value in mapping.items():
+                mapping[key] = _text(value)
+    entrypoint = spec.get("entrypoint")
+    if isinstance(entrypoint, dict) and isinstance(entrypoint.get("args"), list):
+        entrypoint["args"] = [_text(a) for a in entrypoint["args"]]
 
 
 def build_spec(file: Path | None, sets: list[str], flags: dict[str, Any]) -> dict[str, Any]:
@@ -156,7 +167,7 @@ def build_spec(file: Path | None, sets: list[str], flags: dict[str, Any]) -> dic
         if not sep:
             raise typer.BadParameter(f"--set takes key=value, got {item!r}")
         set_path(spec, key.strip(), load_yaml(raw))
-    env_as_text(spec)
+    scalars_as_text(spec)
     spec.setdefault("entrypoint", {"kind": "builtin", "model": "cnn", "dataset": "digits"})
     spec.setdefault("mode", "single")
     return spec

@@ -31,3 +31,21 @@ def test_exponent_floats_and_numeric_env_values_pass_the_strict_spec(tmp_path: P
     assert spec["env"] == expected_env
     parsed = JobSpec.model_validate(spec)
     assert parsed.hyperparameters is not None and parsed.hyperparameters.lr == 0.0002
+
+
+def test_a_scripts_numeric_args_and_labels_reach_the_api_as_text(tmp_path: Path) -> None:
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(
+        "mode: single\n"
+        "entrypoint:\n"
+        "  kind: script\n"
+        "  path: train.py\n"
+        "  args: [--epochs, 2, --lr, 0.1, --amp, true]\n"
+        "labels:\n"
+        "  version: 2\n"
+        "  team: vision\n"
+    )
+    spec = build_spec(spec_file, [], {})
+    assert spec["entrypoint"]["args"] == ["--epochs", "2", "--lr", "0.1", "--amp", "true"]
+    assert spec["labels"] == {"version": "2", "team": "vision"}
+    JobSpec.model_validate(spec)  # the strict spec takes it
