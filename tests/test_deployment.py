@@ -171,3 +171,30 @@ def _interpolated(arg: str) -> str:
     """Compose's `${VAR:-default}` with VAR unset; `${VAR:?msg}` must not appear in a command."""
     assert ":?" not in arg
     return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", arg)
+
+
+def test_a_wheel_carries_the_migrations_it_upgrades_to(tmp_path: Path) -> None:
+    """A non-editable install (`pip install .`, a wheel) runs `torchjobs db upgrade`, `up`,
+    `server` and `worker`: each needs migrations/ beside the service package."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for name in ("service", "workers", "migrations"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", "dist", "."],
+        cwd=source,
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = (source / "dist").glob("torchjobs-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    versions = {f"migrations/versions/{p.name}" for p in (REPO / "migrations" / "versions").glob("*.py")}
+    assert versions and versions <= names
+    assert {"migrations/env.py", "migrations/script.py.mako", "service/migrate.py"} <= names
