@@ -72,6 +72,12 @@ def parse_trainer(out: str) -> dict[str, Any]:
     runs = re.search(r"(\d+) runs each", out)
     n = int(runs.group(1)) if runs else 1
     batch = re.search(r"^cnn on synthetic.*$", out, re.MULTILINE)
+    knobs = re.search(r"amp=(\w+), compile=(\w+)", out)
+    setup = "torchrun, cpu"
+    if knobs and knobs.group(1) != "None":
+        setup += f", amp {knobs.group(1)}"
+    if knobs and knobs.group(2) == "True":
+        setup += ", compile"
     figs = []
     for m in re.finditer(
         r"^(single|ddp x\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", out, re.MULTILINE
@@ -79,10 +85,10 @@ def parse_trainer(out: str) -> dict[str, Any]:
         figs.append(
             {
                 "measure": f"trainer samples/s, {m.group(1)}",
-                "setup": "torchrun, cpu",
+                "setup": setup,
                 "unit": "samples/s",
                 "service": given(_num(m.group(2)), n=n),
-                "floor_name": "seed-style hand loop",
+                "floor_name": "seed-style hand loop, the same knobs",
                 "floor": given(_num(m.group(3)), n=n),
                 "ratio": given(_num(m.group(4)), _num(m.group(5)), _num(m.group(6)), n),
                 "target": ">= 1.0",
@@ -257,6 +263,16 @@ BENCHMARKS = [
             "512",
         ],
         parse_trainer,
+    ),
+    *(
+        Bench(
+            f"trainer-{knob}",
+            [PY, "bench/trainer_vs_seed.py", *args],
+            [PY, "bench/trainer_vs_seed.py", *args, "--runs", "1", "--epochs", "1", "--modes", "single"]
+            + ["--synthetic-size", "512"],
+            parse_trainer,
+        )
+        for knob, args in (("bf16", ["--amp", "bf16"]), ("compile", ["--compile", "--runs", "3"]))
     ),
     Bench("launch", [PY, "-m", "bench.launch"], [PY, "-m", "bench.launch", "--smoke"]),
     Bench("sandbox", [PY, "-m", "bench.sandbox"], [PY, "-m", "bench.sandbox", "--smoke"]),

@@ -18,6 +18,8 @@ SMOKE = REPO / "test-artifacts" / "bench" / "smoke"
 DOC = REPO / "docs" / "benchmarks.md"
 BENCHMARKS = (
     "trainer",
+    "trainer-bf16",
+    "trainer-compile",
     "launch",
     "sandbox",
     "environment",
