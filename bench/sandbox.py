@@ -1,7 +1,7 @@
 """What the ranks' sandbox costs (issue #19): POST -> first step and throughput, sandboxed
 against the same product with the sandbox off, measured in the same run.
 
-    .venv/bin/python -m bench.sandbox            # ~10 min
+    .venv/bin/python -m bench.sandbox            # ~30 min on an idle machine
     .venv/bin/python -m bench.sandbox --smoke    # one launch each: the code path only
 
 Three embedded stacks (`torchjobs up --gpus 2 --accelerator cpu`) live side by side and take
@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, bench_env, figure, print_figures, workdir, write_result
+from bench.common import REPO, bench_env, figure, paired_interval, print_figures, workdir, write_result
 from bench.launch import launch_job, long_job, run_bare, run_service
 from service.testing import harness
 from workers.launcher import sandbox
@@ -158,6 +158,7 @@ def figures(launch: dict[str, dict[str, list]], long: dict[str, list]) -> list[d
                     setup=setup,
                     floor_name=floor_name,
                     target=">= 0.99",
+                    note=paired_interval(speeds[side], speeds[floor_side]),
                 )
             )
     return figs
@@ -168,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--runs", type=int, default=6, help="launch rounds per mode")
-    parser.add_argument("--long-runs", type=int, default=16, help="rounds of the throughput job (noisy)")
-    parser.add_argument("--bare-runs", type=int, default=8, help="pairs of bare torchrun, in bwrap and not")
+    parser.add_argument("--long-runs", type=int, default=60, help="rounds of the throughput job (noisy)")
+    parser.add_argument("--bare-runs", type=int, default=10, help="pairs of bare torchrun, in bwrap and not")
     parser.add_argument("--synthetic-size", type=int, default=12288)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--artifacts", type=Path, default=REPO / "test-artifacts" / "bench" / "sandbox")
