@@ -43,6 +43,13 @@ def net_of(path: Any) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)["state_dict"]["net"]
 
 
+def learned(run: Any) -> bool:
+    """The loss fell: the mean of the last two reports under that of the first two (on the CPU
+    the same job goes from 2.31 to 2.13; one report alone is noisy)."""
+    losses = [e["loss"] for e in run.events()]
+    return sum(losses[-2:]) < sum(losses[:2])
+
+
 def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return sum(float((a[k].float() - b[k].float()).norm()) for k in a if a[k].is_floating_point())
 
@@ -56,8 +63,7 @@ def test_single_trains_on_cuda_0(jobs: Any, tmp_path: Any) -> None:
     # written from the GPU, loadable anywhere: every tensor on the CPU, no wrapper prefix
     assert all(t.device.type == "cpu" for t in ckpt["state_dict"]["net"].values())
     assert not any(k.startswith("module.") for k in ckpt["state_dict"]["net"])
-    losses = [e["loss"] for e in run.events()]
-    assert losses[-1] < losses[0]
+    assert learned(run)
 
 
 def test_ddp_runs_one_process_per_gpu_over_nccl(jobs: Any, tmp_path: Any) -> None:
@@ -105,8 +111,7 @@ def test_fp16_resume_carries_the_scaler_on_and_lands_where_the_straight_run_did(
 def test_bf16_autocast_trains_on_the_gpu(jobs: Any, tmp_path: Any) -> None:
     run = jobs.start(tmp_path / "bf16", cuda_config(jobs, epochs=2, amp="bf16")).ok()
     assert "grad_scaler" not in torch.load(run.latest_checkpoint(), weights_only=True)["meta"]
-    losses = [e["loss"] for e in run.events()]
-    assert losses[-1] < losses[0]
+    assert learned(run)
 
 
 @two_gpus
