@@ -118,7 +118,6 @@ async def list_jobs(
         int | None,
         Query(ge=1, le=MAX_ID, description="a sweep's id: its children"),
         BlankIsAbsent,
-        int_or_blank,
         int_or_blank(1, MAX_ID),
     ] = None,
 ) -> Response:

@@ -45,7 +45,6 @@ Attempt = Annotated[
     int | None,
     Query(ge=1, le=1_000_000, description="default (or empty): the latest"),
     BlankIsAbsent,
-    int_or_blank,
     int_or_blank(1, 1_000_000),
 ]
 LastEventId = Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)]
