@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.workers.runtime.conftest import free_port
-from workers.launcher.command import NodeLaunch, NodePaths, build_launch, config_json
+from workers.launcher.command import NodeLaunch, build_launch, lay_out_run_dir
 from workers.launcher.devices import slot_ids
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,8 +38,8 @@ def host_gpus() -> list[tuple[str, str]]:
         text=True,
         check=True,
     ).stdout
-    rows = [tuple(part.strip() for part in line.split(",")) for line in out.splitlines() if line.strip()]
-    return [(index, uuid) for index, uuid in rows]
+    rows = [line.split(",") for line in out.splitlines() if line.strip()]
+    return [(index.strip(), uuid.strip()) for index, uuid in rows]
 
 
 def launch_for(run_dir: Path, worker_list: str | None = None, slots: int = 1) -> NodeLaunch:
@@ -58,14 +58,12 @@ def launch_for(run_dir: Path, worker_list: str | None = None, slots: int = 1) ->
 
 
 def run_plan(launch: NodeLaunch) -> str:
-    """The plan carried out as the worker's supervisor does, unsandboxed; the rank's log."""
+    """The plan carried out as the worker's supervisor does, unsandboxed (its run folder laid
+    out by the same function); the rank's log."""
     plan = build_launch(launch)
-    paths: NodePaths = plan.paths
-    for folder in (paths.run_dir, paths.checkpoints, paths.logs, paths.tmp, paths.home):
-        folder.mkdir(parents=True, exist_ok=True)
-    paths.config.write_text(config_json(plan))
+    lay_out_run_dir(plan)
     proc = subprocess.run(plan.argv, env=plan.env, cwd=plan.cwd, capture_output=True, text=True, timeout=240)
-    logs = "".join(p.read_text() for p in sorted(paths.logs.glob("*/attempt_*/0/*.log")))
+    logs = "".join(p.read_text() for p in sorted(plan.paths.logs.glob("*/attempt_*/0/*.log")))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs[-3000:]}"
     return logs
 

@@ -292,3 +292,18 @@ def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
 
 def config_json(plan: LaunchPlan) -> str:
     return json.dumps(plan.config, indent=2, sort_keys=True)
+
+
+def lay_out_run_dir(plan: LaunchPlan) -> tuple[Path, ...]:
+    """The node's folders, the link to its TMPDIR and the trainer's config: what `torchrun`
+    needs in place before it starts. Returns the folders the ranks write to (a sandboxed node
+    hands them to its user)."""
+    paths = plan.paths
+    folders = (paths.run_dir, paths.checkpoints, paths.logs, paths.tmp, paths.home)
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+    if not paths.tmp_link.is_symlink():
+        paths.tmp_link.symlink_to(paths.tmp)
+    if plan.config is not None:
+        paths.config.write_text(config_json(plan))
+    return folders

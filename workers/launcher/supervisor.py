@@ -35,8 +35,8 @@ from workers.launcher import stall_report
 from workers.launcher.clocks import LOST_PEERS, STALL, TIME_LIMIT, NodeClock
 from workers.launcher.command import (
     LaunchPlan,
-    config_json,
     environment_log_of,
+    lay_out_run_dir,
     processes_per_node,
     resume_dir_of,
 )
@@ -127,13 +127,7 @@ class NodeSupervisor:
         """The run folder. In a sandbox its writable parts belong to the sandbox user; the
         ranks' environment waits there in a file only that user (and the worker) can read."""
         paths, owner = self.plan.paths, self.plan.owner
-        folders = (paths.run_dir, paths.checkpoints, paths.logs, paths.tmp, paths.home)
-        for folder in folders:
-            folder.mkdir(parents=True, exist_ok=True)
-        if not paths.tmp_link.is_symlink():
-            paths.tmp_link.symlink_to(paths.tmp)
-        if self.plan.config is not None:
-            paths.config.write_text(config_json(self.plan))
+        folders = lay_out_run_dir(self.plan)
         if self.plan.sandboxed:
             fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as fh:
