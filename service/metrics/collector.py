@@ -29,6 +29,8 @@ from service.usage.accounting import totals_by_owner
 QUEUE_WAIT_BUCKETS = (1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 PASS_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Labels that name a user: a family with one in any sample is shown to the admin only (contract §7).
+PER_USER_LABELS = frozenset({"user", "user_id", "owner", "owner_id"})
 
 
 class DatabaseCollector(Collector):
@@ -154,9 +156,29 @@ class ViewCacheCollector(Collector):
             yield counter
 
 
+def is_per_user(family: Metric) -> bool:
+    """Whether a metric family has a series per user (a sample labelled with a user)."""
+    return any(PER_USER_LABELS.intersection(sample.labels) for sample in family.samples)
+
+
+class WithoutPerUser(Collector):
+    """Another registry's families, less the per-user ones (`is_per_user`): what a scraper who
+    is not the admin sees (contract §7: per-user figures are the admin's only)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        return (family for family in self._registry.collect() if not is_per_user(family))
+
+
 class AppMetrics:
     """One app's registry: the request-latency histogram, the database collector and the
-    job-view cache's counters."""
+    job-view cache's counters; `shared_registry` is the same, less the per-user series, for
+    every scraper but the admin."""
 
     def __init__(
         self, database: Callable[[], Database], view_cache: Callable[[], ViewCache | None] = lambda: None
@@ -177,3 +199,8 @@ class AppMetrics:
         )
         self.registry.register(DatabaseCollector(database))
         self.registry.register(ViewCacheCollector(view_cache))
+        self.shared_registry = CollectorRegistry(auto_describe=False)
+        self.shared_registry.register(WithoutPerUser(self.registry))
+
+    def registry_for(self, *, admin: bool) -> CollectorRegistry:
+        return self.registry if admin else self.shared_registry

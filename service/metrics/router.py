@@ -1,15 +1,21 @@
 """`GET /metrics`: Prometheus exposition of this app's registry.
 
 Scraping needs a bearer token (any user's) unless ``TORCHJOBS_METRICS_PUBLIC`` is true, for a
-Prometheus that scrapes from inside a private network without a token.
+Prometheus that scrapes from inside a private network without a token. Per-user series (a label
+naming a user, such as ``torchjobs_user_gpu_seconds_total{user}``) are the admin's only
+(contract §7): any other caller, and a scrape without a token, gets every other series.
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from prometheus_client.exposition import choose_encoder
 
 from service.api.deps import BearerCreds, DbDep, SettingsDep, current_user
+from service.auth.tokens import presented_token, user_for_token
+from service.errors import Unauthorized
 from service.metrics.collector import AppMetrics
 from service.metrics.middleware import RequestLatencyMiddleware
 
@@ -26,19 +32,25 @@ def install(app: FastAPI) -> AppMetrics:
     return metrics
 
 
-def scrape_allowed(
-    settings: SettingsDep,
-    db: DbDep,
-    creds: BearerCreds,
-) -> None:
-    """Checks the token in a short read of its own, not a request-long session (which would hold
-    SQLite's write lock for the whole scrape)."""
-    if not settings.metrics_public:
-        with db.read() as session:
-            current_user(session, creds)
+def scraper_is_admin(settings: SettingsDep, db: DbDep, creds: BearerCreds) -> bool:
+    """Whether the caller is the admin: a 401 without a valid token unless the metrics are public
+    (then a missing or unknown token scrapes as nobody in particular: no per-user series). Checks the
+    token in a short read of its own, not a request-long session (which would hold SQLite's
+    write lock for the whole scrape)."""
+    if settings.metrics_public and creds is None:
+        return False
+    with db.read() as session:
+        if not settings.metrics_public:
+            return current_user(session, creds).is_admin
+        try:
+            user = user_for_token(session, presented_token(creds))
+        except Unauthorized:
+            return False
+        return user is not None and user.is_admin
 
 
-@router.get("/metrics", dependencies=[Depends(scrape_allowed)], response_class=Response)
-def metrics(request: Request) -> Response:
+@router.get("/metrics", response_class=Response)
+def metrics(request: Request, admin: Annotated[bool, Depends(scraper_is_admin)]) -> Response:
     encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-    return Response(content=encoder(request.app.state.metrics.registry), media_type=content_type)
+    registry = request.app.state.metrics.registry_for(admin=admin)
+    return Response(content=encoder(registry), media_type=content_type)

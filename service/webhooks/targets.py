@@ -79,13 +79,53 @@ def parse_url(url: str) -> tuple[str, str, int, str]:
     return scheme, host, port if port is not None else DEFAULT_PORTS[scheme], path
 
 
+# IPv6 addresses that carry an IPv4 address inside them (contract §7): a send to one reaches, or
+# is translated to, that IPv4 address, so each is judged as its IPv4 address would be.
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052's well-known prefix: the last 32 bits
+NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215, local use: private as a whole
+IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # deprecated (RFC 4291): the last 32 bits
+IPV4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")  # SIIT (RFC 2765): the last 32 bits
+
+
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> tuple[ipaddress.IPv4Address, ...]:
+    """The IPv4 addresses an IPv6 address embeds: IPv4-mapped (``::ffff:a.b.c.d``),
+    IPv4-compatible (``::a.b.c.d``, but not ``::`` or ``::1``), IPv4-translated, NAT64
+    (``64:ff9b::a.b.c.d``), 6to4 (``2002:AABB:CCDD::/48``) and Teredo (its server and its
+    client, whose bits are inverted); none for any other address."""
+    if ip.ipv4_mapped is not None:
+        return (ip.ipv4_mapped,)
+    if ip.sixtofour is not None:
+        return (ip.sixtofour,)
+    if ip.teredo is not None:
+        return ip.teredo
+    last32 = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip in NAT64 or ip in IPV4_TRANSLATED:
+        return (last32,)
+    if ip in IPV4_COMPATIBLE and int(ip) > 1:  # `::` and `::1` are themselves, not 0.0.0.0 or 0.0.0.1
+        return (last32,)
+    return ()
+
+
 def is_private(address: str) -> bool:
     """Loopback, link-local, private, reserved, multicast, unspecified, shared (CGNAT) or
-    documentation space: anything but a global unicast address. An IPv4-mapped IPv6 address
-    is judged by its IPv4 address."""
+    documentation space: anything but a global unicast address. An IPv6 address that embeds an
+    IPv4 address (`embedded_ipv4`) is judged by that IPv4 address, whatever the Python
+    version's tables say of the IPv6 prefix; a Teredo address is private when either of its
+    IPv4 addresses is, or when the IPv6 address itself is. NAT64's local-use prefix
+    ``64:ff9b:1::/48`` is private as a whole (what it translates to is the network's choice)."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 zone ("%eth0") names no address
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in NAT64_LOCAL:
+            return True
+        embedded = embedded_ipv4(ip)
+        if any(_not_global(v4) for v4 in embedded):
+            return True
+        if embedded and ip.teredo is None:
+            return False  # only the IPv4 address counts: it is where the packets go
+    return _not_global(ip)
+
+
+def _not_global(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return ip.is_multicast or ip.is_unspecified or not ip.is_global
 
 

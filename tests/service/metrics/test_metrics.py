@@ -180,3 +180,89 @@ def test_the_scheduler_thread_times_its_passes(settings: Settings) -> None:
         samples = scrape(client)
         assert samples["torchjobs_scheduler_pass_seconds_count"][()] >= 2
         assert samples["torchjobs_scheduler_pass_seconds_sum"][()] > 0
+
+
+def user_headers(client: TestClient, name: str) -> dict[str, str]:
+    created = client.post("/v1/users", json={"name": name}, headers=AUTH)
+    assert created.status_code == 201, created.text
+    return {"Authorization": f"Bearer {created.json()['token']}"}
+
+
+def run_one_job_each(client: TestClient, settings: Settings, *owners: dict[str, str]) -> None:
+    """Each owner's 1-GPU job placed on a worker and started: GPU-seconds to show per user."""
+    db = client.app.state.db
+    with db.transaction() as session:
+        host_states.upsert_worker(
+            session,
+            name="w1",
+            address="10.0.0.1",
+            accelerator="cpu",
+            gpus=len(owners),
+            session_id="w1-session",
+            now=utcnow(),
+        )
+    spec = {"mode": "dp", "gpus_per_node": 1, "entrypoint": BUILTIN}
+    jobs = []
+    for headers in owners:
+        resp = client.post("/v1/jobs", json=spec, headers=headers)
+        assert resp.status_code == 201, resp.text
+        jobs.append(resp.json()["id"])
+    run_pass(db, settings, lambda _items: None)
+    for job_id in jobs:
+        start_node(client, job_id, 1)
+
+
+def user_labels(text: str) -> set[str]:
+    return {
+        s.labels["user"]
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if "user" in s.labels
+    }
+
+
+def test_per_user_figures_are_the_admins_only(client: TestClient, settings: Settings) -> None:
+    """Contract §7: a user's scrape has every series but the per-user ones; the admin's has them."""
+    alice, bob = user_headers(client, "alice"), user_headers(client, "bob")
+    run_one_job_each(client, settings, alice, bob)
+
+    as_admin = client.get("/metrics", headers=AUTH)
+    assert as_admin.status_code == 200, as_admin.text
+    assert user_labels(as_admin.text) == {"alice", "bob"}
+    assert "torchjobs_user_gpu_seconds_total{" in as_admin.text
+
+    as_alice = client.get("/metrics", headers=alice)
+    assert as_alice.status_code == 200, as_alice.text
+    assert user_labels(as_alice.text) == set()
+    assert "torchjobs_user_gpu_seconds" not in as_alice.text
+    assert "bob" not in as_alice.text and "alice" not in as_alice.text
+    assert 'user="' not in as_alice.text
+    # Everything that is not per user is still there.
+    m = scrape(client, headers=alice)
+    assert m["torchjobs_jobs"][(("state", "running"),)] == 2
+    assert m["torchjobs_worker_gpus_used"][(("worker", "w1"),)] == 2
+    assert m["torchjobs_job_queue_wait_seconds_count"][()] == 2
+    assert m["torchjobs_http_request_duration_seconds_count"]
+
+    # The OpenMetrics exposition is filtered the same way.
+    openmetrics = {"Accept": "application/openmetrics-text; version=1.0.0", **alice}
+    resp = client.get("/metrics", headers=openmetrics)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/openmetrics-text")
+    assert "bob" not in resp.text and "torchjobs_user_gpu_seconds" not in resp.text
+    resp = client.get("/metrics", headers={**openmetrics, **AUTH})
+    assert 'user="bob"' in resp.text
+
+
+def test_public_metrics_show_per_user_figures_to_the_admin_only(pg_url: str, settings: Settings) -> None:
+    """Without a token (TORCHJOBS_METRICS_PUBLIC) a scrape is still answered, less the per-user
+    series; the admin's token there still shows them."""
+    public = settings_for(pg_url, settings.home, metrics_public=True)
+    with TestClient(create_app(public, scheduler=False)) as client:
+        alice = user_headers(client, "alice")
+        run_one_job_each(client, public, alice)
+        for headers in (None, alice, {"Authorization": "Bearer nope"}):
+            resp = client.get("/metrics", headers=headers)
+            assert resp.status_code == 200, (headers, resp.text)
+            assert user_labels(resp.text) == set() and "alice" not in resp.text, headers
+            assert 'torchjobs_jobs{state="running"} 1.0' in resp.text
+        assert user_labels(client.get("/metrics", headers=AUTH).text) == {"alice"}

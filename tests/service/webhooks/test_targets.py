@@ -3,6 +3,7 @@ targets refused unless allowed; the checked addresses are the ones a send connec
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 import pytest
@@ -35,6 +36,84 @@ def test_private_targets_are_refused_unless_allowed(url: str) -> None:
     with pytest.raises(TargetRefused, match="loopback, link-local or private"):
         check_target(url, allow_private=False)
     assert check_target(url, allow_private=True).addresses
+
+
+TEREDO_SERVER = int(ipaddress.IPv4Address("65.54.227.120"))  # a public Teredo server
+
+
+def embedding(form: str, ipv4: str) -> str:
+    """An IPv6 address that embeds `ipv4` the way `form` does."""
+    n = int(ipaddress.IPv4Address(ipv4))
+    value = {
+        "mapped": (0xFFFF << 32) | n,  # ::ffff:a.b.c.d
+        "compatible": n,  # ::a.b.c.d
+        "translated": (0xFFFF << 48) | n,  # ::ffff:0:a.b.c.d
+        "nat64": int(ipaddress.IPv6Address("64:ff9b::")) | n,  # 64:ff9b::a.b.c.d
+        "6to4": (0x2002 << 112) | (n << 80) | 1,  # 2002:AABB:CCDD::1
+        # 2001:0:SERVER:FLAGS:PORT:CLIENT, the client's port and address with their bits inverted
+        "teredo": (0x2001 << 112)
+        | (TEREDO_SERVER << 64)
+        | (0x8000 << 48)
+        | (0x9C40 << 32)
+        | (n ^ 0xFFFFFFFF),
+    }[form]
+    return str(ipaddress.IPv6Address(value))
+
+
+EMBEDDINGS = ["mapped", "compatible", "translated", "nat64", "6to4", "teredo"]
+INTERNAL = ["169.254.169.254", "127.0.0.1", "10.0.0.1"]
+
+
+def test_the_embeddings_embed_what_they_say() -> None:
+    """The test's own addresses, checked against the standard library's reading of them."""
+    assert embedding("mapped", "10.0.0.1") == "::ffff:a00:1"
+    assert embedding("compatible", "10.0.0.1") == "::a00:1"
+    assert embedding("nat64", "169.254.169.254") == "64:ff9b::a9fe:a9fe"
+    assert ipaddress.IPv6Address(embedding("6to4", "127.0.0.1")).sixtofour == ipaddress.IPv4Address(
+        "127.0.0.1"
+    )
+    teredo = ipaddress.IPv6Address(embedding("teredo", "169.254.169.254")).teredo
+    assert teredo == (ipaddress.IPv4Address("65.54.227.120"), ipaddress.IPv4Address("169.254.169.254"))
+
+
+@pytest.mark.parametrize("ipv4", INTERNAL)
+@pytest.mark.parametrize("form", EMBEDDINGS)
+def test_an_ipv6_address_embedding_an_internal_ipv4_one_is_refused(form: str, ipv4: str) -> None:
+    """Contract §7: refused as the embedded IPv4 address would be, as a literal and as a name's AAAA."""
+    address = embedding(form, ipv4)
+    assert is_private(ipv4) and is_private(address)
+    with pytest.raises(TargetRefused, match="loopback, link-local or private"):
+        check_target(f"http://[{address}]/hook", allow_private=False)
+
+    def resolver(host: str, port: int, **_kw: object) -> list[tuple]:
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", (address, port, 0, 0))]
+
+    with pytest.raises(TargetRefused, match="loopback, link-local or private"):
+        check_target("https://hooks.example.com/", allow_private=False, resolver=resolver)
+    assert check_target(f"http://[{address}]/hook", allow_private=True).addresses
+
+
+@pytest.mark.parametrize("form", ["mapped", "compatible", "translated", "nat64", "6to4"])
+def test_an_ipv6_address_embedding_a_public_ipv4_one_is_judged_by_it(form: str) -> None:
+    address = embedding(form, "8.8.8.8")
+    assert not is_private(address)
+    assert check_target(f"http://[{address}]/hook", allow_private=False).addresses
+    assert is_private(embedding(form, "192.168.1.1")) and is_private(embedding(form, "100.64.0.1"))
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "64:ff9b:1::808:808",  # NAT64 for local use (RFC 8215): private whatever it embeds
+        "64:ff9b:1::a00:1",
+        embedding("teredo", "8.8.8.8"),  # 2001::/32 is no global space itself
+        "::",  # IPv4-compatible space, yet itself: unspecified
+        "::1",  # and loopback
+        "::2",  # 0.0.0.2: "this network"
+    ],
+)
+def test_embedding_ranges_that_are_private_whatever_they_carry(address: str) -> None:
+    assert is_private(address)
 
 
 def test_localhost_resolves_to_loopback_only() -> None:

@@ -3,6 +3,7 @@ limit, and the delivery history; every bad input a clear 4xx."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,6 +118,41 @@ def test_a_url_that_is_no_target_is_a_422_naming_url(api: TestClient, url: str, 
     assert resp.status_code == 422, resp.text
     assert loc_of(resp) == ["body", "url"]
     assert why in resp.json()["detail"][0]["msg"]
+
+
+@pytest.mark.parametrize("ipv4", ["169.254.169.254", "127.0.0.1", "10.0.0.1"])
+@pytest.mark.parametrize(
+    "embedding",
+    [
+        "::ffff:{}",  # IPv4-mapped
+        "::{}",  # IPv4-compatible
+        "64:ff9b::{}",  # NAT64
+        "64:ff9b:1::{}",  # NAT64 for local use
+        "2002:{:04x}:{:04x}::1",  # 6to4
+        "2001:0:4136:e378:8000:63bf:{:04x}:{:04x}",  # Teredo: the client's address, bits inverted
+    ],
+)
+def test_an_internal_ipv4_address_inside_an_ipv6_one_is_a_422(
+    api: TestClient, embedding: str, ipv4: str
+) -> None:
+    """Contract §7: refused as the IPv4 address it embeds would be."""
+    n = int(ipaddress.IPv4Address(ipv4))
+    if embedding.startswith("2002:"):
+        address = embedding.format(n >> 16, n & 0xFFFF)
+    elif embedding.startswith("2001:"):
+        address = embedding.format((n ^ 0xFFFFFFFF) >> 16, (n ^ 0xFFFFFFFF) & 0xFFFF)
+    else:
+        address = embedding.format(ipv4)
+    resp = api.post("/v1/webhooks", json={"url": f"http://[{address}]/hook"}, headers=ADMIN)
+    assert resp.status_code == 422, resp.text
+    assert loc_of(resp) == ["body", "url"]
+    assert "loopback, link-local or private" in resp.json()["detail"][0]["msg"]
+
+
+@pytest.mark.parametrize("url", ["http://[64:ff9b::8.8.8.8]/hook", "http://[2002:808:808::1]/hook"])
+def test_a_public_ipv4_address_inside_an_ipv6_one_is_taken(api: TestClient, url: str) -> None:
+    made = api.post("/v1/webhooks", json={"url": url}, headers=ADMIN)
+    assert made.status_code == 201, made.text
 
 
 @pytest.mark.parametrize(
