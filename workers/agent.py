@@ -32,7 +32,7 @@ from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
 from workers.environments import envs_root
 from workers.launcher import devices, sandbox
-from workers.launcher.command import code_folders, passthrough
+from workers.launcher.command import NodePaths, code_folders, passthrough, tmp_root
 from workers.launcher.procs import kill_under
 from workers.launcher.sandbox import Isolation
 from workers.launcher.sandbox_spares import SpareSandboxes
@@ -63,7 +63,7 @@ def remove_stale_runs(run_root: Path) -> None:
     if killed:
         log.warning("killed %s orphaned process(es) of a previous worker process", killed)
     for run_dir in run_root.glob("job-*/attempt-*/node-*"):
-        remove_run_dir(run_dir)
+        remove_run_dir(NodePaths(run_dir=run_dir, tmp_root=tmp_root()))
     shutil.rmtree(run_root, ignore_errors=True)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from service.states import NodeState
 from workers.code_cache import CodeUnavailable, unpacked_code
 from workers.context import WorkerContext
 from workers.environments import EnvironmentFailed, ensure_environment
-from workers.launcher.command import NodeLaunch, build_launch, environment_log_of
+from workers.launcher.command import NodeLaunch, NodePaths, build_launch, environment_log_of, tmp_root
 from workers.launcher.devices import device_files
 from workers.launcher.supervisor import Hooks, NodeSupervisor, remove_run_dir
 
@@ -49,7 +48,9 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             gpus=len(launch.gpus),
             hooks=Hooks(
                 write_batch=lambda b: reports.write_batch(node_db, key, b),
-                record_checkpoint=lambda p, m, v: store_rank_checkpoint(ctx.db, ctx.storage, key, p, m, v),
+                record_checkpoint=lambda f, n, m, v: store_rank_checkpoint(
+                    ctx.db, ctx.storage, key, f, n, m, v
+                ),
                 job_control=lambda: reports.job_control(ctx.db, job_id),
                 node_event=lambda type_, data: reports.node_event(node_db, key, type_, data),
                 peers_ended=lambda: reports.peers_ended_at(ctx.db, key),
@@ -80,7 +81,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
     if supervisor is not None:
         supervisor.cleanup()
     else:
-        remove_run_dir(run_dir)
+        remove_run_dir(NodePaths(run_dir=run_dir, tmp_root=tmp_root()))
     log.info("job %s attempt %s node %s ended: %s", job_id, attempt, node_rank, outcome.state)
     return outcome.state
 
@@ -132,7 +133,7 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         ),
         preflight_timeout_s=ctx.settings.preflight_timeout_s,
         resume_path=resume_path,
-        tmp_root=Path(tempfile.gettempdir()),
+        tmp_root=tmp_root(),
         base_env=ctx.rank_base_env,
         isolation=ctx.isolation,
         read_only=ctx.sandbox_read_only,

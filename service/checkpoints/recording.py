@@ -9,8 +9,7 @@ always stored first, outside any transaction; a row whose job has gone takes its
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -22,7 +21,7 @@ from service.jobs.reports import touch_report
 from service.jobs.states import append_event
 from service.models import Checkpoint, Job
 from service.schemas import checkpoint_out
-from service.storage import Storage
+from service.storage import CHUNK, Storage
 
 log = logging.getLogger("torchjobs.checkpoints")
 
@@ -36,15 +35,24 @@ def record_checkpoint(session: Session, ckpt: Checkpoint) -> Checkpoint:
 
 
 def store_rank_checkpoint(
-    db: Database, storage: Storage, key: NodeKey, path: Path, meta: dict[str, Any] | None, version: int = 0
+    db: Database,
+    storage: Storage,
+    key: NodeKey,
+    source: BinaryIO,
+    name: str,
+    meta: dict[str, Any] | None,
+    version: int = 0,
 ) -> int | None:
     """A file rank 0 wrote: upload it, then record it. None when the job is gone.
+
+    `source` is the file the worker opened and checked (workers/launcher/jobfiles.py), read
+    once, hashed on the way: never a path, which the job could point elsewhere meanwhile.
 
     A name written again (`version` > 0) is stored beside the earlier files of that name, never
     over them: each is a Checkpoint of its own, downloadable and resumable."""
     folder = f"jobs/{key.job_id}/attempt-{key.attempt}" + (f"/v{version}" if version else "")
-    storage_key = f"{folder}/{path.name}"
-    size, sha = storage.put_file(str(path), storage_key)
+    storage_key = f"{folder}/{name}"
+    size, sha = storage.put_stream(iter(lambda: source.read(CHUNK), b""), storage_key)
     meta = meta or {}
     with db.transaction() as session:
         owner = session.execute(select(Job.owner_id).where(Job.id == key.job_id)).scalar_one_or_none()
@@ -55,7 +63,7 @@ def store_rank_checkpoint(
             owner_id=owner,
             job_id=key.job_id,
             attempt=key.attempt,
-            name=path.name,
+            name=name,
             epoch=meta.get("epoch"),
             step=meta.get("step"),
             size_bytes=size,

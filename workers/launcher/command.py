@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,7 +101,6 @@ class NodePaths:
     checkpoints: ClassVar[InRunDir] = InRunDir("checkpoints")
     events: ClassVar[InRunDir] = InRunDir("events.jsonl")
     logs: ClassVar[InRunDir] = InRunDir("logs")
-    tmp_link: ClassVar[InRunDir] = InRunDir("tmp", "links to `tmp`, so cleanup can find it")
     config: ClassVar[InRunDir] = InRunDir("config.json")
     agent_log: ClassVar[InRunDir] = InRunDir("agent.log")
     home: ClassVar[InRunDir] = InRunDir(
@@ -115,7 +115,8 @@ class NodePaths:
     def tmp(self) -> Path:
         """TMPDIR of the ranks: short on purpose. Unix sockets (DataLoader workers, torch's
         multiprocessing) live there and their paths may not pass 107 bytes, which a deep
-        TORCHJOBS_HOME easily would. `run_dir/tmp` links to it, so cleanup can find it."""
+        TORCHJOBS_HOME easily would. Derived from `run_dir` alone, so cleanup finds it without
+        reading anything the job could change (no link in the run folder: contract §7 v3)."""
         if self.tmp_dir is not None:
             return self.tmp_dir
         digest = hashlib.sha256(str(self.run_dir).encode()).hexdigest()[:12]
@@ -144,6 +145,11 @@ class LaunchPlan:
         """What the started process itself gets: in a sandbox, bwrap gets nothing of the job's
         (the ranks' environment travels in `paths.env_file`)."""
         return {"PATH": SYSTEM_PATH} if self.sandboxed else self.env
+
+
+def tmp_root() -> Path:
+    """Where nodes' short TMPDIRs live: the same for a launch and for its clean-up."""
+    return Path(tempfile.gettempdir())
 
 
 def environment_log_of(run_dir: Path) -> Path:
@@ -295,15 +301,13 @@ def config_json(plan: LaunchPlan) -> str:
 
 
 def lay_out_run_dir(plan: LaunchPlan) -> tuple[Path, ...]:
-    """The node's folders, the link to its TMPDIR and the trainer's config: what `torchrun`
-    needs in place before it starts. Returns the folders the ranks write to (a sandboxed node
+    """The node's folders and the trainer's config: what `torchrun` needs in place before it
+    starts. Returns the folders the ranks write to (a sandboxed node
     hands them to its user)."""
     paths = plan.paths
     folders = (paths.run_dir, paths.checkpoints, paths.logs, paths.tmp, paths.home)
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
-    if not paths.tmp_link.is_symlink():
-        paths.tmp_link.symlink_to(paths.tmp)
     if plan.config is not None:
         paths.config.write_text(config_json(plan))
     return folders

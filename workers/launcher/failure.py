@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 PREEMPTED_EXIT_CODE = 75
 TAIL_LINES = 40
@@ -59,29 +58,26 @@ def root_cause(agent_log: str) -> RootCause:
     return RootCause(local_rank=int(match["local"]), rank=int(match["rank"]), exit_code=int(match["code"]))
 
 
-def read_error_file(path: Path | None) -> str | None:
-    """The traceback `@record` wrote, if the failing rank used it."""
-    if path is None or not path.exists():
-        return None
+def read_error_file(data: bytes) -> str | None:
+    """The traceback `@record` wrote, if the failing rank used it (the job wrote this file:
+    anything that is not the expected shape is no traceback)."""
     try:
-        message = json.loads(path.read_text()).get("message", {})
-    except (OSError, ValueError):
+        loaded = json.loads(data) if data else None
+    except ValueError:
         return None
+    message = loaded.get("message", {}) if isinstance(loaded, dict) else None
     if isinstance(message, dict):
-        trace = message.get("extraInfo", {}).get("py_callstack")
-        return trace or message.get("message")
-    return str(message)
+        extra = message.get("extraInfo")
+        trace = extra.get("py_callstack") if isinstance(extra, dict) else None
+        found = trace or message.get("message")
+        return found if isinstance(found, str) else None
+    return str(message) if message else None
 
 
-def tail(path: Path | None, lines: int = TAIL_LINES) -> str:
-    if path is None or not path.exists():
-        return ""
-    with open(path, "rb") as fh:
-        fh.seek(0, 2)
-        size = fh.tell()
-        fh.seek(max(0, size - TAIL_BYTES))
-        data = fh.read().decode("utf-8", "replace")
-    return "\n".join(data.splitlines()[-lines:])
+def tail(data: bytes, lines: int = TAIL_LINES) -> str:
+    """The last lines of what a file's end held (read with `JobFolder.read_tail`)."""
+    text = data[-TAIL_BYTES:].decode("utf-8", "replace")
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def is_retryable(exit_code: int | None, text: str, signalled_by_us: bool) -> bool:

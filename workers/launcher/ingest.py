@@ -1,5 +1,7 @@
 """Reading what a node's ranks leave on disk: log files, the events file, checkpoint files.
 
+All of it goes through `jobfiles`: the job owns these folders, so nothing here opens a path by
+name; a link, a fifo or a swapped file is never taken (contract §7 v3).
 Each reader remembers how far it got, so every byte and every line is taken exactly once.
 A reader takes at most `MAX_READ` bytes of a file per look and says so (`backlog`) when it
 left more behind: the supervisor then looks again sooner, and at the end until none is left.
@@ -13,7 +15,9 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+from workers.launcher.jobfiles import JobFolder, Refused, entries, open_beneath
 
 MAX_READ = 4 * 1024 * 1024
 HOLD_MAX = 64 * 1024  # a partial line longer than this goes out anyway
@@ -22,37 +26,57 @@ IGNORED_SUFFIXES = (".tmp", ".partial")
 
 
 class FileTail:
-    """New bytes of a growing file since the last read."""
+    """New bytes of a growing file since the last read.
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    The file is opened once, through `jobfiles`, and read from that descriptor from then on:
+    what the job later puts under the name (a link, a fifo) is never looked at. `refused` says
+    why the name was not taken, for the job's own log to show."""
+
+    def __init__(self, folder: JobFolder, rel: str) -> None:
+        self.folder, self.rel = folder, rel
         self.offset = 0
+        self.fh: BinaryIO | None = None
+        self.refused: str | None = None
+
+    def _opened(self) -> BinaryIO | None:
+        if self.fh is None:
+            try:
+                self.fh = self.folder.open(self.rel)
+            except Refused as exc:
+                self.refused = f"{self.rel}: {exc.strerror}"
+            except OSError:  # not there yet, or the folder itself not taken
+                pass
+        return self.fh
+
+    def size(self) -> int:
+        fh = self._opened()
+        return os.fstat(fh.fileno()).st_size if fh is not None else 0
 
     def read_new(self, limit: int = MAX_READ) -> bytes:
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.offset)
-                data = fh.read(limit)
-        except FileNotFoundError:
+        fh = self._opened()
+        if fh is None:
             return b""
+        data = os.pread(fh.fileno(), limit, self.offset)
         self.offset += len(data)
         return data
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+            self.fh = None
 
 
 class EventsTail:
     """Complete JSON lines appended to the events file; a half-written last line waits."""
 
-    def __init__(self, path: Path) -> None:
-        self.tail = FileTail(path)
+    def __init__(self, folder: JobFolder, rel: str) -> None:
+        self.tail = FileTail(folder, rel)
         self.buffer = b""
         self.backlog = False
 
     def waiting(self) -> bool:
-        """Bytes were appended since the last read (one `stat`: cheap enough to ask often)."""
-        try:
-            return os.stat(self.tail.path).st_size > self.tail.offset
-        except FileNotFoundError:
-            return False
+        """Bytes were appended since the last read (one `fstat`: cheap enough to ask often)."""
+        return self.tail.size() > self.tail.offset
 
     def read_new(self) -> list[dict[str, Any]]:
         new = self.tail.read_new()
@@ -79,8 +103,11 @@ class RankLogs:
     never past the final look.
     """
 
-    def __init__(self, logs_dir: Path, local_rank: int, preface: Path | None = None) -> None:
-        self.logs_dir, self.local_rank = logs_dir, local_rank
+    def __init__(
+        self, folder: JobFolder, local_rank: int, preface: Path | None = None, logs: str = "logs"
+    ) -> None:
+        self.logs, self.local_rank = folder, local_rank
+        self.prefix = f"{logs}/" if logs else ""  # where torchrun's --log-dir is in the folder
         self.preface = preface  # read once, first: what happened on the node before the rank
         self.streams: list[FileTail] = []
         self.held: list[bytes] = []
@@ -89,6 +116,7 @@ class RankLogs:
         self.backlog = False
         self.notes: list[bytes] = []  # the worker's own lines for this log (a stall's stacks)
         self.last_byte = b""
+        self.noted: set[str] = set()
 
     def note(self, text: str) -> None:
         """Lines of the worker's, put in the combined stream at the next look, between whole
@@ -99,17 +127,36 @@ class RankLogs:
         if self.streams:
             return
         for name in ("stdout.log", "stderr.log"):
-            found = sorted(self.logs_dir.glob(f"*/attempt_*/{self.local_rank}/{name}"))
+            try:
+                found = self.logs.find(f"{self.prefix}*/attempt_*/{self.local_rank}/{name}")
+            except OSError:  # the logs folder not there yet, or not a folder the worker takes
+                found = []
             if found:
-                self.streams.append(FileTail(found[-1]))
+                self.streams.append(FileTail(self.logs, found[-1]))
         if len(self.streams) != 2:
             self.streams = []
         self.held = [b""] * len(self.streams)
         self.held_since = [0.0] * len(self.streams)
 
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+    def _note_refusals(self) -> None:
+        """Once each: the rank's log says which of its files the worker would not read."""
+        for stream in self.streams:
+            if stream.refused and stream.refused not in self.noted:
+                self.noted.add(stream.refused)
+                self.note(f"[torchjobs] not read, not a regular file of the job's: {stream.refused}")
+
+    def refusals(self) -> list[str]:
+        """What the rank put where its logs go that the worker did not take, and why."""
+        return [s.refused for s in self.streams if s.refused]
+
     def read_new(self, final: bool = False, now: float | None = None) -> tuple[int, bytes]:
         """(offset of the returned bytes in the combined stream, the bytes)."""
         self._find()
+        self._note_refusals()
         now = time.monotonic() if now is None else now
         start = self.offset
         self.backlog = False
@@ -147,18 +194,25 @@ class RankLogs:
         except OSError:
             return b""
 
-    def stderr_path(self) -> Path | None:
+    def stderr_tail(self, max_bytes: int) -> bytes:
         self._find()
-        return self.streams[1].path if self.streams else None
+        return self.logs.read_tail(self.streams[1].rel, max_bytes) if self.streams else b""
 
-    def error_file(self) -> Path | None:
-        found = sorted(self.logs_dir.glob(f"*/attempt_*/{self.local_rank}/error.json"))
-        return found[-1] if found else None
+    def error_file(self) -> bytes:
+        """What torchrun's `@record` wrote for this rank (at most 1 MiB), or b""."""
+        try:
+            found = self.logs.find(f"{self.prefix}*/attempt_*/{self.local_rank}/error.json")
+        except OSError:
+            return b""
+        return self.logs.read_tail(found[-1], 1024 * 1024) if found else b""
 
 
 @dataclass(frozen=True)
 class FoundCheckpoint:
-    path: Path
+    """A complete checkpoint file, already open: the upload reads this descriptor, never the name."""
+
+    name: str
+    file: BinaryIO
     size: int
     version: int = 0  # how many earlier files of this name were taken (a script's `last.pt`)
 
@@ -176,42 +230,64 @@ class CheckpointWatcher:
     taken again, with the next `version`.
     """
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, folder: JobFolder, sub: str = "checkpoints") -> None:
+        self.folder, self.sub = folder, sub  # looked up anew at each poll: a script may remake it
         self.seen: dict[str, Signature] = {}
         self.taken: dict[str, Signature] = {}
         self.versions: dict[str, int] = {}
 
     def poll(self, final: bool = False) -> list[FoundCheckpoint]:
+        try:
+            fd = self.folder.open_sub(self.sub)
+        except OSError:  # not made yet, or not a folder the worker takes
+            return []
+        try:
+            return self._poll(fd, final)
+        finally:
+            os.close(fd)
+
+    def _poll(self, fd: int, final: bool) -> list[FoundCheckpoint]:
         ready = []
-        for entry in self._candidates():
-            st = entry.stat()
+        for name, st in self._candidates(fd):
             sig = (st.st_size, st.st_mtime_ns, st.st_ino)
-            if self.taken.get(entry.name) == sig:
+            if self.taken.get(name) == sig:
                 continue
-            stable = self.seen.get(entry.name) == sig
-            self.seen[entry.name] = sig
+            stable = self.seen.get(name) == sig
+            self.seen[name] = sig
             if stable or final:
-                ready.append((st.st_mtime_ns, entry.name, sig, Path(entry.path), st.st_size))
+                ready.append((st.st_mtime_ns, name, sig))
         ready.sort()
         found = []
-        for _, name, sig, path, size in ready:
+        for _, name, sig in ready:
+            opened = self._open_as_seen(fd, name, sig)
+            if opened is None:
+                continue
             version = self.versions.get(name, -1) + 1
             self.taken[name], self.versions[name] = sig, version
-            found.append(FoundCheckpoint(path=path, size=size, version=version))
+            found.append(FoundCheckpoint(name=name, file=opened, size=sig[0], version=version))
         return found
 
-    def _candidates(self) -> list[os.DirEntry[str]]:
+    def _open_as_seen(self, fd: int, name: str, sig: Signature) -> BinaryIO | None:
+        """The file under `name`, only if it is still the very file that was complete: a name
+        swapped for a link, or for another file, since the look is not taken (a new file is
+        looked at again next time)."""
         try:
-            entries = list(os.scandir(self.folder))
-        except FileNotFoundError:
-            return []
+            fh = os.fdopen(open_beneath(fd, name, owner=self.folder.owner), "rb", buffering=0)
+        except OSError:
+            self.seen.pop(name, None)
+            return None
+        st = os.fstat(fh.fileno())
+        if (st.st_size, st.st_mtime_ns, st.st_ino) != sig:
+            fh.close()
+            self.seen.pop(name, None)
+            return None
+        return fh
+
+    def _candidates(self, fd: int) -> list[tuple[str, os.stat_result]]:
         return [
-            e
-            for e in entries
-            if e.is_file(follow_symlinks=False)
-            and not e.name.startswith(".")
-            and not e.name.endswith(IGNORED_SUFFIXES)
+            (e.name, e.st)
+            for e in entries(fd)
+            if e.is_file and not e.name.startswith(".") and not e.name.endswith(IGNORED_SUFFIXES)
         ]
 
 

@@ -19,8 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from service.jobs.node_reports import (
     END_WRITE_PATIENCE_S,
@@ -35,14 +34,16 @@ from workers.launcher import stall_report
 from workers.launcher.clocks import LOST_PEERS, STALL, TIME_LIMIT, NodeClock
 from workers.launcher.command import (
     LaunchPlan,
+    NodePaths,
     environment_log_of,
     lay_out_run_dir,
     processes_per_node,
     resume_dir_of,
 )
 from workers.launcher.exit_wait import ExitWait
-from workers.launcher.failure import is_retryable, read_error_file, root_cause, tail
+from workers.launcher.failure import TAIL_BYTES, is_retryable, read_error_file, root_cause, tail
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, FoundCheckpoint, RankLogs, epoch_from_name
+from workers.launcher.jobfiles import JobFolder
 from workers.launcher.procs import (
     kill_group,
     kill_under,
@@ -78,7 +79,8 @@ class Hooks:
     """The supervisor's only ways out: injected so unit tests can drive it without a database."""
 
     write_batch: Callable[[Batch], JobControl | None]
-    record_checkpoint: Callable[[Any, dict[str, Any] | None, int], object]
+    # (the open file, its name, the rank's notice of it, version): read from the descriptor
+    record_checkpoint: Callable[[BinaryIO, str, dict[str, Any] | None, int], object]
     job_control: Callable[[], JobControl | None]
     node_event: Callable[[str, dict[str, Any]], object] = field(default=lambda *_: None)
     # when the attempt's other nodes had all ended (None while any runs): a straggler's clock
@@ -111,9 +113,11 @@ class NodeSupervisor:
         paths = plan.paths
         nproc = processes_per_node(mode, gpus)
         preface = environment_log_of(paths.run_dir)
-        self.rank_logs = [RankLogs(paths.logs, r, preface) for r in range(nproc)]
-        self.events = EventsTail(paths.events)
-        self.checkpoints = CheckpointWatcher(paths.checkpoints)
+        # every file of the job's is taken through this folder's descriptor (jobfiles.py)
+        self.folder = JobFolder(paths.run_dir, owner=plan.owner[0] if plan.owner else None)
+        self.rank_logs = [RankLogs(self.folder, r, preface, logs=paths.logs.name) for r in range(nproc)]
+        self.events = EventsTail(self.folder, paths.events.name)
+        self.checkpoints = CheckpointWatcher(self.folder, paths.checkpoints.name)
         self.ckpt_meta: dict[str, dict[str, Any]] = {}
         self.pending = Batch()  # read but not yet stored (its write failed): sent first next time
         self.unrecorded: list[FoundCheckpoint] = []  # complete files not yet recorded, in order
@@ -145,8 +149,19 @@ class NodeSupervisor:
                 rc = self._watch(proc)
             finally:
                 self._kill_all(proc)
-        self._ingest(final=True)
-        return self._outcome(rc)
+        try:
+            self._ingest(final=True)
+            return self._outcome(rc)
+        finally:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        for logs in self.rank_logs:
+            logs.close()
+        self.events.tail.close()
+        for found in self.unrecorded:
+            found.file.close()
+        self.folder.close()
 
     def _pids(self) -> list[int]:
         """The node's processes: its sandbox's, or (unsandboxed) those whose environment names
@@ -336,16 +351,15 @@ class NodeSupervisor:
             self.clock.heard()
         todo, self.unrecorded = self.unrecorded + fresh, []
         for i, found in enumerate(todo):
-            meta = self.ckpt_meta.get(found.path.name) or {"epoch": epoch_from_name(found.path.name)}
+            meta = self.ckpt_meta.get(found.name) or {"epoch": epoch_from_name(found.name)}
             try:
-                self.hooks.record_checkpoint(found.path, meta, found.version)
-            except FileNotFoundError:
-                name = found.path.name
-                log.warning("job %s: checkpoint %s was removed before it was stored", self.key.job_id, name)
+                found.file.seek(0)  # from the start again where an earlier try failed midway
+                self.hooks.record_checkpoint(found.file, found.name, meta, found.version)
             except Exception:
                 self._storing(fails=True)
                 self.unrecorded = todo[i:]
                 return False
+            found.file.close()
         return True
 
     def _collect(self, final: bool) -> Batch:
@@ -407,7 +421,8 @@ class NodeSupervisor:
         return self._failure(rc)
 
     def _failure(self, rc: int) -> NodeOutcome:
-        agent_text = tail(self.plan.paths.agent_log, lines=400)
+        agent_tail = self.folder.read_tail(self.plan.paths.agent_log.name, TAIL_BYTES)
+        agent_text = tail(agent_tail, lines=400)
         cause = root_cause(agent_text)
         logs = (
             self.rank_logs[cause.local_rank]
@@ -415,26 +430,26 @@ class NodeSupervisor:
             else None
         )
         trace = read_error_file(logs.error_file()) if logs else None
-        stderr_tail = tail(logs.stderr_path()) if logs else ""
+        stderr_tail = tail(logs.stderr_tail(TAIL_BYTES)) if logs else ""
         where = f"node {self.key.node_rank}" + (f" on {self.host}" if self.host else "")
         if cause.rank is not None:
             where += f", rank {cause.rank} (local rank {cause.local_rank})"
         code = cause.exit_code if cause.exit_code is not None else rc
-        body = trace or stderr_tail or tail(self.plan.paths.agent_log, lines=20)
+        body = trace or stderr_tail or tail(agent_tail, lines=20)
         error = f"{where} exited with code {code}\n{body}".strip()
         retry = is_retryable(code, error + agent_text, signalled_by_us=False)
         return NodeOutcome(state=NodeState.FAILED, exit_code=code, error=error[-16000:], retryable=retry)
 
     def cleanup(self) -> None:
-        remove_run_dir(self.plan.paths.run_dir)
+        remove_run_dir(self.plan.paths)
 
 
-def remove_run_dir(run_dir: Path) -> None:
-    """A node's folder, the short TMPDIR its `tmp` link points at, and a warm sandbox's
-    /resume folder beside it."""
-    link = run_dir / "tmp"
-    if link.is_symlink():
-        shutil.rmtree(os.readlink(link), ignore_errors=True)
+def remove_run_dir(paths: NodePaths) -> None:
+    """A node's folder, its short TMPDIR and a warm sandbox's /resume folder beside it: each a
+    path the worker chose and keeps, never one read from the job's folder (contract §7 v3).
+    `rmtree` does not follow links inside them (`shutil.rmtree.avoids_symlink_attacks`)."""
+    shutil.rmtree(paths.tmp, ignore_errors=True)
+    run_dir = paths.run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(resume_dir_of(run_dir), ignore_errors=True)
     environment_log_of(run_dir).unlink(missing_ok=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from workers.launcher.failure import is_retryable, read_error_file, root_cause
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, RankLogs
+from workers.launcher.jobfiles import JobFolder
 
 AGENT_LOG = """
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
@@ -43,8 +44,9 @@ def test_error_file_traceback(tmp_path: Path) -> None:
     path.write_text(
         json.dumps({"message": {"message": "ValueError: x", "extraInfo": {"py_callstack": "Traceback..."}}})
     )
-    assert read_error_file(path) == "Traceback..."
-    assert read_error_file(tmp_path / "missing.json") is None
+    assert read_error_file(path.read_bytes()) == "Traceback..."
+    assert read_error_file(b"") is None
+    assert read_error_file(b'{"message": {"extraInfo": 7}}') is None  # the job wrote it: any shape
 
 
 def test_classifier() -> None:
@@ -60,7 +62,7 @@ def test_classifier() -> None:
 
 def test_events_tail_waits_for_whole_lines(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
-    tail = EventsTail(path)
+    tail = EventsTail(JobFolder(tmp_path), path.name)
     assert tail.read_new() == []
     path.write_bytes(b'{"a": 1}\n{"b"')
     assert tail.read_new() == [{"a": 1}]
@@ -74,7 +76,7 @@ def test_rank_logs_combine_stdout_and_stderr(tmp_path: Path) -> None:
     rank_dir.mkdir(parents=True)
     (rank_dir / "stdout.log").write_bytes(b"out1\n")
     (rank_dir / "stderr.log").write_bytes(b"err1\n")
-    logs = RankLogs(tmp_path, 0)
+    logs = RankLogs(JobFolder(tmp_path), 0, logs="")
     assert logs.read_new() == (0, b"out1\nerr1\n")
     with open(rank_dir / "stdout.log", "ab") as fh:
         fh.write(b"out2\n")
@@ -83,14 +85,14 @@ def test_rank_logs_combine_stdout_and_stderr(tmp_path: Path) -> None:
 
 
 def test_checkpoint_watcher_takes_complete_files_once(tmp_path: Path) -> None:
-    watcher = CheckpointWatcher(tmp_path)
+    watcher = CheckpointWatcher(JobFolder(tmp_path), "")
     (tmp_path / "a.pt.tmp").write_bytes(b"x")
     (tmp_path / ".hidden").write_bytes(b"x")
     (tmp_path / "b.partial").write_bytes(b"x")
     (tmp_path / "epoch-0001.pt").write_bytes(b"1")
     assert watcher.poll() == []  # seen once: might still be growing
     found = watcher.poll()
-    assert [f.path.name for f in found] == ["epoch-0001.pt"]
+    assert [f.name for f in found] == ["epoch-0001.pt"]
     assert watcher.poll() == []  # never twice
     growing = tmp_path / "epoch-0002.pt"
     growing.write_bytes(b"1")
@@ -99,24 +101,24 @@ def test_checkpoint_watcher_takes_complete_files_once(tmp_path: Path) -> None:
         fh.write(b"more")
     os.utime(growing, ns=(1, 10**18))
     assert watcher.poll() == []  # it changed since the last look
-    assert [f.path.name for f in watcher.poll(final=True)] == ["epoch-0002.pt"]
+    assert [f.name for f in watcher.poll(final=True)] == ["epoch-0002.pt"]
 
 
 def test_a_name_written_again_is_a_new_checkpoint(tmp_path: Path) -> None:
     """A script saving `last.pt` every epoch: each save that the watcher sees is taken."""
-    watcher = CheckpointWatcher(tmp_path)
+    watcher = CheckpointWatcher(JobFolder(tmp_path), "")
     last = tmp_path / "last.pt"
     last.write_bytes(b"epoch 1")
     watcher.poll()
-    assert [(f.path.name, f.version) for f in watcher.poll()] == [("last.pt", 0)]
+    assert [(f.name, f.version) for f in watcher.poll()] == [("last.pt", 0)]
     assert watcher.poll() == []
     (tmp_path / "last.pt.tmp").write_bytes(b"epoch 2")
     os.replace(tmp_path / "last.pt.tmp", last)  # renamed over the taken file
     assert watcher.poll() == []  # seen once
-    assert [(f.path.name, f.version) for f in watcher.poll()] == [("last.pt", 1)]
+    assert [(f.name, f.version) for f in watcher.poll()] == [("last.pt", 1)]
     last.write_bytes(b"epoch 3")  # rewritten in place, same size
     os.utime(last, ns=(1, 10**18))
-    assert [(f.path.name, f.version) for f in watcher.poll(final=True)] == [("last.pt", 2)]
+    assert [(f.name, f.version) for f in watcher.poll(final=True)] == [("last.pt", 2)]
     assert watcher.poll(final=True) == []  # unchanged since: never twice
 
 
@@ -129,7 +131,7 @@ def test_a_stall_note_starts_its_own_line_even_after_a_partial_one(tmp_path: Pat
     folder.mkdir(parents=True)
     (folder / "stdout.log").write_bytes(b"epoch 1 ... 40%")
     (folder / "stderr.log").write_bytes(b"")
-    logs = RankLogs(tmp_path, 0)
+    logs = RankLogs(JobFolder(tmp_path), 0, logs="")
     assert logs.read_new(now=0.0)[1] == b""  # held: no newline yet
     assert logs.read_new(now=HOLD_S + 1)[1] == b"epoch 1 ... 40%"  # let out by the hold
     logs.note("[stall] silent")

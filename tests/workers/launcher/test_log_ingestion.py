@@ -10,6 +10,7 @@ from pathlib import Path
 from service.jobs.node_reports import Batch, NodeKey
 from workers.launcher.command import LaunchPlan, NodePaths
 from workers.launcher.ingest import MAX_READ, RankLogs
+from workers.launcher.jobfiles import JobFolder
 from workers.launcher.supervisor import Hooks, NodeSupervisor
 
 # A stand-in for torchrun --redirects=3: writes the rank's files the way torchrun lays them out,
@@ -75,7 +76,7 @@ def test_a_line_is_not_cut_in_two_by_the_other_stream(tmp_path: Path) -> None:
     out, err = rank_dir / "stdout.log", rank_dir / "stderr.log"
     out.write_bytes(b"one\nhalf of a li")
     err.write_bytes(b"warning\n")
-    logs = RankLogs(tmp_path, 0)
+    logs = RankLogs(JobFolder(tmp_path), 0, logs="")
     assert logs.read_new(now=0.0) == (0, b"one\nwarning\n")
     with open(out, "ab") as fh:
         fh.write(b"ne\nprogress 50%\rprogress 60%")

@@ -190,7 +190,7 @@ def test_a_node_runs_in_a_sandbox_warm_or_cold_and_leaves_nothing(tmp_path: Path
             gpus=1,
             hooks=Hooks(
                 write_batch=lambda b: batches.append(b) or None,
-                record_checkpoint=lambda p, m, v: stored.append(p.read_text()),
+                record_checkpoint=lambda f, n, m, v: stored.append(f.read().decode()),
                 job_control=lambda: ("running", 1),
             ),
             grace_s=5,

@@ -14,6 +14,7 @@ from typing import Any
 from service.jobs.node_reports import Batch, JobControl, NodeKey
 from workers.launcher.command import LaunchPlan, NodePaths
 from workers.launcher.ingest import EventsTail
+from workers.launcher.jobfiles import JobFolder
 from workers.launcher.supervisor import EVENT_GAP_S, Hooks, NodeSupervisor
 
 # A stand-in for torchrun: a progress line every 50 ms in the events file, one checkpoint file
@@ -80,9 +81,10 @@ class Recorder:
         self._maybe_fail("control")
         return ("running", 1)
 
-    def record_checkpoint(self, path: Any, meta: dict[str, Any] | None, version: int) -> None:
+    def record_checkpoint(self, file: Any, name: str, meta: dict[str, Any] | None, version: int) -> None:
         self._maybe_fail("checkpoint")
-        self.checkpoints.append(path.name)
+        file.read()  # storing reads the whole file; a retry starts again from its start
+        self.checkpoints.append(name)
 
     def hooks(self) -> Hooks:
         return Hooks(
@@ -139,7 +141,7 @@ def test_reports_go_out_soon_and_a_busy_node_still_batches_them(tmp_path: Path) 
 
 
 def test_the_events_file_says_when_it_has_news(tmp_path: Path) -> None:
-    tail = EventsTail(tmp_path / "events.jsonl")
+    tail = EventsTail(JobFolder(tmp_path), "events.jsonl")
     assert not tail.waiting()  # no file yet
     (tmp_path / "events.jsonl").write_text('{"type": "progress", "step": 1}\n')
     assert tail.waiting()
