@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from service.db import Database
-from service.hosts.health import HostVerdict, record_node_end
+from service.hosts.health import HostVerdict, failure_verdict, record_node_end
 from service.jobs.node_reports import END_WRITE_PATIENCE_S, NodeKey, NodeLimits, NodeOutcome
 from service.jobs.states import (
     ACTIVE,
@@ -38,6 +38,7 @@ from service.models import Checkpoint, Job, JobAttempt, NodeRun, Worker, utcnow
 from service.states import NODE_ACTIVE, NodeState
 
 log = logging.getLogger("torchjobs.worker")
+COUNTED_HERE = (HostVerdict.FAILED_HERE, HostVerdict.JOB_FAILED_HERE)  # failures in a host's row
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,14 +254,17 @@ def record_end(db: Database, key: NodeKey, outcome: NodeOutcome, worker: str | N
     `worker`'s host, in a transaction of its own (`service.hosts.health` says why)."""
     with db.transaction() as session:
         ended_attempt = finish_node(session, key.job_id, key.attempt, key.node_rank, outcome)
+        job = session.get(Job, key.job_id)  # locked by finish_node: whose it is, what it runs
+        verdict = host_verdict(outcome, job)
+        owner = job.owner_id if job is not None else None
     if worker is None:
         return
-    verdict = host_verdict(outcome)
-    if verdict is HostVerdict.FAILED_HERE and not ended_attempt:
+    if verdict in COUNTED_HERE and not ended_attempt:
         verdict = HostVerdict.NOTHING  # another node failed first: this one felt it (a peer's reset)
     with db.transaction() as session:
         detail = outcome.error or outcome.state
-        quarantined = record_node_end(session, worker, verdict, detail, db.settings.quarantine_after)
+        quarantine_after = db.settings.quarantine_after
+        quarantined = record_node_end(session, worker, verdict, detail, quarantine_after, owner)
     if quarantined:  # the job's row in a third transaction: a host lock is never held before a job's
         with db.transaction() as session:
             tell_quarantined(session, key.job_id, worker)
@@ -274,9 +278,10 @@ def tell_quarantined(session: Session, job_id: int, worker: str) -> None:
         append_event(session, job_id, "quarantine", {"worker": worker, "reason": row.quarantine_reason})
 
 
-def host_verdict(outcome: NodeOutcome) -> HostVerdict:
-    """A retryable failure is the infrastructure's (contract §8); success or the job's own
-    error shows a host that works; a cancel or a stop from elsewhere says nothing of it."""
+def host_verdict(outcome: NodeOutcome, job: Job | None = None) -> HostVerdict:
+    """A retryable failure is the infrastructure's (contract §8), one the job's own code may
+    have caused unless `failure_verdict` finds otherwise; success or the job's own error shows
+    a host that works; a cancel or a stop from elsewhere says nothing of it."""
     if outcome.state == NodeState.FAILED:
-        return HostVerdict.FAILED_HERE if outcome.retryable else HostVerdict.WORKED
+        return failure_verdict(outcome.error or "", job) if outcome.retryable else HostVerdict.WORKED
     return HostVerdict.WORKED if outcome.state == NodeState.SUCCEEDED else HostVerdict.NOTHING

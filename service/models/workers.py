@@ -31,3 +31,7 @@ class Worker(Base):
     # host takes no new work (None: it does). Not a `state`: it outlives restarts and silences.
     infra_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     quarantine_reason: Mapped[str | None] = mapped_column(String(512))
+    # (v3) of those failures, the ones the job's own code could have caused, and the owners of
+    # their jobs (at most two ids: two owners are what makes them count, service.hosts.health)
+    job_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    job_failure_owners: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)

@@ -57,7 +57,8 @@ def host(db: Database) -> Worker:
 
 
 def test_what_each_end_says_of_its_host() -> None:
-    assert host_verdict(NodeOutcome(state=NodeState.FAILED, retryable=True)) is HostVerdict.FAILED_HERE
+    # a failure the ranks tell is the job's word (contract §8 v3: test_quarantine_owners.py)
+    assert host_verdict(NodeOutcome(state=NodeState.FAILED, retryable=True)) is HostVerdict.JOB_FAILED_HERE
     assert host_verdict(NodeOutcome(state=NodeState.FAILED, retryable=False)) is HostVerdict.WORKED
     assert host_verdict(NodeOutcome(state=NodeState.SUCCEEDED)) is HostVerdict.WORKED
     assert host_verdict(NodeOutcome(state=NodeState.CANCELLED)) is HostVerdict.NOTHING
