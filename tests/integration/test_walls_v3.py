@@ -1,0 +1,109 @@
+"""The walls have no doors (contract §7 v3): a job attacking the worker through its own run
+folder, as an ordinary user, on a real sandboxed worker (`torchjobs up` as root here).
+
+Each attack is one run of tests/scripts/break_out.py; it is what made the worker hand out the
+admin token, upload it as a checkpoint, delete a host folder and hang before the fix. After each
+job: nothing of it runs on the host, and nothing it wrote is left there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from service.testing import harness
+from service.testing.harness import ADMIN_TOKEN, Stack
+from workers.launcher.command import NodePaths, tmp_root
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the root worker's sandbox (bwrap-setuid)")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = Path(tmp_path_factory.mktemp("walls-v3"))
+    stack = harness.embedded_stack(home)
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def mallory(stack: Stack) -> str:
+    with stack.client() as c:
+        resp = c.post("/v1/users", json={"name": "mallory"})
+    assert resp.status_code == 201, resp.text
+    return str(resp.json()["token"])
+
+
+def _attack(stack: Stack, token: str, attack: str, target: Path, **spec: object) -> dict:
+    entry = {"kind": "script", "path": "break_out.py"}
+    job = stack.submit(
+        {
+            "mode": "single",
+            "entrypoint": entry,
+            "env": {"BREAK": attack, "BREAK_TARGET": str(target)},
+            **spec,
+        },
+        token,
+    )
+    done = stack.wait_job(job["id"], timeout=180)
+    _nothing_left(stack, done["id"])
+    return done
+
+
+def _nothing_left(stack: Stack, job_id: int) -> None:
+    """No process of the job, no run folder, no TMPDIR: the job ends whole (contract §7 v3)."""
+    assert harness.wait_for(
+        lambda: not harness.pids_of_job(job_id, stack.home), 30, "the job's processes gone"
+    )
+    runs = list(stack.home.glob(f"**/job-{job_id}/attempt-*/node-*"))
+    assert not [p for p in runs if p.is_dir()], runs
+    for run_dir in runs:
+        assert not NodePaths(run_dir=run_dir, tmp_root=tmp_root()).tmp.exists()
+
+
+def _logs(stack: Stack, token: str, job_id: int) -> str:
+    with stack.client(token) as c:
+        return c.get(f"/v1/jobs/{job_id}/logs", params={"rank": 0}).text
+
+
+def test_log_links_to_the_admin_token_and_the_workers_environment_read_nothing(
+    stack: Stack, mallory: str
+) -> None:
+    done = _attack(stack, mallory, "logs", stack.home / "admin.token")
+    assert done["state"] == "failed"
+    seen = _logs(stack, mallory, done["id"]) + (done["error"] or "")
+    assert ADMIN_TOKEN not in seen, "the job's log or error carried the admin token"
+    assert "TORCHJOBS_HOME=" not in seen and "TORCHJOBS_ADMIN_TOKEN" not in seen, "the worker's environment"
+    assert "before the swap" in seen or "not read" in seen  # the log was read, as data
+
+
+def test_a_tmp_link_to_a_host_folder_deletes_nothing(stack: Stack, mallory: str, tmp_path: Path) -> None:
+    canary = tmp_path / "canary"
+    canary.mkdir(mode=0o700)
+    (canary / "keep").write_text("root's")
+    done = _attack(stack, mallory, "tmp", canary)
+    assert done["state"] == "succeeded", done["error"]
+    assert (canary / "keep").read_text() == "root's"
+
+
+def test_checkpoints_raced_with_links_store_only_the_jobs_own_bytes(stack: Stack, mallory: str) -> None:
+    done = _attack(stack, mallory, "checkpoints", stack.home / "admin.token")
+    assert done["state"] == "succeeded", done["error"]
+    with stack.client(mallory) as c:
+        items = c.get(f"/v1/jobs/{done['id']}/checkpoints").json()["items"]
+        bodies = {i["name"]: c.get(f"/v1/checkpoints/{i['id']}/download").content for i in items}
+    assert bodies, "no checkpoint was stored at all"
+    for name, body in bodies.items():
+        assert ADMIN_TOKEN.encode() not in body, f"{name} was the admin token"
+        assert body.startswith(b"real checkpoint"), (name, body[:60])
+
+
+def test_fifos_for_logs_and_events_do_not_hold_the_job_past_its_time_limit(
+    stack: Stack, mallory: str
+) -> None:
+    done = _attack(stack, mallory, "fifo", Path("/nonexistent"), max_duration_s=15)
+    assert done["state"] == "failed"
+    assert done["error"].startswith("time limit"), done["error"]

