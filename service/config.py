@@ -89,6 +89,13 @@ class Settings(BaseSettings):
     stream_recheck_s: float = 10.0  # every stream re-reads this often even without a wake-up
     stream_read_concurrency: int = 8  # database reads in flight for all streams together
     logs_page_bytes: int = 1_048_576  # most bytes one GET .../logs answers
+    # each rank's stored log, per attempt (contract §7 v3): past it, a line says where it was cut
+    log_max_mb: float = Field(100.0, gt=0)
+    # each job node's control groups (contract §7 v3, workers/launcher/cgroups.py): processes
+    # and threads, and memory with shared memory per GPU of the node (None: the host's memory
+    # divided by the worker's GPUs); past either the job fails, naming the limit
+    job_pids_max: int = Field(8192, ge=16)
+    memory_per_gpu_mb: int | None = Field(None, gt=0)
 
     # GET /v1/jobs/{id} from memory while a change feed runs (service.jobs.view_cache); 0: off
     job_view_cache_ttl_s: float = Field(5.0, ge=0)

@@ -31,9 +31,10 @@ from workers.celery_app import make_celery, queue_for
 from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
 from workers.environments import envs_root
-from workers.launcher import devices, sandbox
+from workers.launcher import cgroups, devices, sandbox
 from workers.launcher.command import NodePaths, code_folders, passthrough, tmp_root
 from workers.launcher.procs import kill_under
+from workers.launcher.readable import warn_unreadable
 from workers.launcher.sandbox import Isolation
 from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.supervisor import remove_run_dir, warm_agents
@@ -147,6 +148,11 @@ def run_worker(
         accelerator=kind,
         gpus=gpus if gpus is not None else detected,
     )
+    ctx.cgroups = cgroups.detect(name, ctx.run_root)
+    if ctx.cgroups is not None and (killed := cgroups.sweep(ctx.cgroups)):
+        log.warning(
+            "killed %s process(es) left in job nodes' control groups by a previous worker process", killed
+        )
     remove_stale_runs(ctx.run_root)  # before a spare sandbox is made there
     for cache in (settings.cache_dir / "code", envs_root(settings)):
         sweep_staging(cache)  # what a killed worker was building
@@ -158,6 +164,7 @@ def run_worker(
         envs = envs_root(settings)  # built environments: every job reads its own, none writes
         envs.mkdir(parents=True, exist_ok=True)
         ctx.sandbox_read_only = (*sandbox.python_paths(sys.executable), *folders, str(envs))
+        warn_unreadable(ctx.isolation, settings, ctx.rank_base_env, ctx.sandbox_read_only, sys.executable)
     if kind == "cuda":
         ctx.gpu_ids = devices.slot_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), ctx.gpus)
         ctx.host_gpus = devices.nvidia_gpus()

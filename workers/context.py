@@ -9,6 +9,7 @@ from pathlib import Path
 from service.config import Settings
 from service.db import Database
 from service.storage import Storage
+from workers.launcher.cgroups import Hierarchy
 from workers.launcher.devices import Gpu
 from workers.launcher.sandbox import UNISOLATED, Isolation
 from workers.launcher.warm_pool import WarmAgentPool
@@ -31,6 +32,7 @@ class WorkerContext:
     host_gpus: tuple[Gpu, ...] = ()  # what nvidia-smi says of this host's GPUs
     rank_base_env: dict[str, str] = field(default_factory=dict)  # the worker's variables ranks get
     sandbox_read_only: tuple[str, ...] = ()  # what every sandbox of this worker binds read-only
+    cgroups: Hierarchy | None = None  # where each node's control groups are made (None: none)
 
     @property
     def run_root(self) -> Path:

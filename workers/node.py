@@ -20,6 +20,7 @@ from service.states import NodeState
 from workers.code_cache import CodeUnavailable, unpacked_code
 from workers.context import WorkerContext
 from workers.environments import EnvironmentFailed, ensure_environment
+from workers.launcher.cgroups import NodeGroup, host_memory
 from workers.launcher.command import NodeLaunch, NodePaths, build_launch, environment_log_of, tmp_root
 from workers.launcher.devices import device_files
 from workers.launcher.supervisor import Hooks, NodeSupervisor, remove_run_dir
@@ -61,6 +62,8 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             agents=ctx.agents,
             limits=_limits_now(claimed, claimed_at, ctx.settings.peer_exit_timeout_s),
             nnodes=launch.nnodes,
+            log_max_bytes=int(ctx.settings.log_max_mb * 1024 * 1024),
+            group=_node_group(ctx, key, len(launch.gpus)),
         )
         outcome = supervisor.run()
     except InvalidSpec as exc:
@@ -84,6 +87,16 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         remove_run_dir(NodePaths(run_dir=run_dir, tmp_root=tmp_root()))
     log.info("job %s attempt %s node %s ended: %s", job_id, attempt, node_rank, outcome.state)
     return outcome.state
+
+
+def _node_group(ctx: WorkerContext, key: NodeKey, gpus: int) -> NodeGroup | None:
+    """The node's control groups with its limits (contract §7 v3), where the host has them."""
+    if ctx.cgroups is None:
+        return None
+    per_gpu = ctx.settings.memory_per_gpu_mb
+    memory = per_gpu * 1024 * 1024 * gpus if per_gpu else host_memory() * gpus // max(1, ctx.gpus)
+    name = f"job-{key.job_id}-{key.attempt}-{key.node_rank}"
+    return NodeGroup.make(ctx.cgroups, name, pids_max=ctx.settings.job_pids_max, memory_bytes=memory)
 
 
 def _limits_now(claimed: Claimed, claimed_at: float, peer_exit_timeout_s: float) -> NodeLimits:

@@ -16,6 +16,7 @@ import pytest
 
 from service.testing import harness
 from service.testing.harness import ADMIN_TOKEN, Stack
+from workers.launcher import cgroups
 from workers.launcher.command import NodePaths, tmp_root
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the root worker's sandbox (bwrap-setuid)")
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the root worker's san
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = Path(tmp_path_factory.mktemp("walls-v3"))
-    stack = harness.embedded_stack(home)
+    limits = {"TORCHJOBS_JOB_PIDS_MAX": "200", "TORCHJOBS_MEMORY_PER_GPU_MB": "900"}
+    stack = harness.embedded_stack(home, harness.make_env(home, **limits))
     yield stack
     stack.stop()
 
@@ -107,3 +109,14 @@ def test_fifos_for_logs_and_events_do_not_hold_the_job_past_its_time_limit(
     done = _attack(stack, mallory, "fifo", Path("/nonexistent"), max_duration_s=15)
     assert done["state"] == "failed"
     assert done["error"].startswith("time limit"), done["error"]
+
+
+@pytest.mark.skipif(cgroups.detect("probe", Path("/nonexistent")) is None, reason="no writable cgroups here")
+@pytest.mark.parametrize(("attack", "limit"), [("pids", "process limit"), ("memory", "memory limit")])
+def test_a_job_past_its_limits_fails_naming_the_limit(
+    stack: Stack, mallory: str, attack: str, limit: str
+) -> None:
+    done = _attack(stack, mallory, attack, Path("/nonexistent"))
+    assert done["state"] == "failed"
+    assert done["error"].startswith(limit), done["error"]
+    assert done["attempt"] == 1  # the job's own doing: not retried

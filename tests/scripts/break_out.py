@@ -11,6 +11,8 @@ canary folder) the rank cannot see itself but names in a link, for the worker to
 - checkpoints: each checkpoint name flips between a link to BREAK_TARGET and the real file
                (the same inode, so a watcher that lists then opens by name is raced)
 - fifo:        its logs and events file become fifos, then it sleeps well past its time limit
+- pids:        forks 400 sleeping processes (past a process limit of 200)
+- memory:      fills /dev/shm, then its heap, past its memory limit
 """
 
 from __future__ import annotations
@@ -81,4 +83,25 @@ def fifo() -> None:
     time.sleep(600)
 
 
-{"logs": logs, "tmp": tmp, "checkpoints": checkpoints, "fifo": fifo}[ATTACK]()
+def pids() -> None:
+    for i in range(400):
+        try:
+            if os.fork() == 0:
+                time.sleep(600)
+                os._exit(0)
+        except OSError as exc:
+            print(f"fork {i} refused: {exc}", flush=True)
+            sys.exit(1)
+    time.sleep(600)
+
+
+def memory() -> None:
+    with open("/dev/shm/fill", "wb") as fh:
+        for _ in range(64):
+            fh.write(b"x" * 16 * 1024 * 1024)
+    hoard = [bytearray(16 * 1024 * 1024) for _ in range(256)]
+    print("never here", len(hoard), flush=True)
+
+
+ATTACKS = {"logs": logs, "tmp": tmp, "checkpoints": checkpoints, "fifo": fifo, "pids": pids, "memory": memory}
+ATTACKS[ATTACK]()

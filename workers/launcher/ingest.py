@@ -22,6 +22,7 @@ from workers.launcher.jobfiles import JobFolder, Refused, entries, open_beneath
 MAX_READ = 4 * 1024 * 1024
 HOLD_MAX = 64 * 1024  # a partial line longer than this goes out anyway
 HOLD_S = 2.0  # and so does one that has waited this long for its end
+LOG_MAX_BYTES = 100 * 1024 * 1024  # each rank's stored log per attempt (TORCHJOBS_LOG_MAX_MB)
 IGNORED_SUFFIXES = (".tmp", ".partial")
 
 
@@ -101,10 +102,20 @@ class RankLogs:
     never cut in two by the other, a stream's unfinished last line (after its last newline or
     carriage return) waits for its end: for at most `HOLD_S` seconds or `HOLD_MAX` bytes, and
     never past the final look.
+
+    The stream is capped at `max_bytes` (contract §7 v3): a job cannot fill the database with
+    output. The look that would pass it gives the bytes up to the cap, then a line saying where
+    it was cut, once; from then on the rank's files are not read again. The worker's own notes
+    (a stall's stacks) still go in after the cut: they are few, and say why the job ended.
     """
 
     def __init__(
-        self, folder: JobFolder, local_rank: int, preface: Path | None = None, logs: str = "logs"
+        self,
+        folder: JobFolder,
+        local_rank: int,
+        preface: Path | None = None,
+        logs: str = "logs",
+        max_bytes: int = LOG_MAX_BYTES,
     ) -> None:
         self.logs, self.local_rank = folder, local_rank
         self.prefix = f"{logs}/" if logs else ""  # where torchrun's --log-dir is in the folder
@@ -117,6 +128,21 @@ class RankLogs:
         self.notes: list[bytes] = []  # the worker's own lines for this log (a stall's stacks)
         self.last_byte = b""
         self.noted: set[str] = set()
+        self.room = max_bytes  # bytes the stream may still take before it is cut
+        self.cut = False  # the cap was reached: the rank's files are no longer read
+        self.cut_line = self._cut_line(max_bytes)
+        self.sizes_past_cut: list[int] = []
+        self.talking = False  # past the cut, the rank's files grew since the last look
+
+    @staticmethod
+    def _cut_line(max_bytes: int) -> bytes:
+        """The line that ends the rank's part of the log, naming the setting to raise."""
+        mb = max_bytes / (1024 * 1024)
+        shown = f"{mb:.3g}" if mb < 1 else f"{round(mb, 3):g}"
+        return (
+            f"[torchjobs] log cut at {shown} MB (TORCHJOBS_LOG_MAX_MB): the rest of this rank's "
+            "output in this attempt is not stored\n"
+        ).encode()
 
     def note(self, text: str) -> None:
         """Lines of the worker's, put in the combined stream at the next look, between whole
@@ -160,32 +186,72 @@ class RankLogs:
         now = time.monotonic() if now is None else now
         start = self.offset
         self.backlog = False
-        parts = [self._take_preface()]
-        if self.notes:  # on a line of their own, even after a partial line the hold let out
-            before = parts[0][-1:] or self.last_byte  # the last byte the log shows so far
-            ended = before in (b"", b"\n", b"\r")
-            parts += [b"" if ended else b"\n", *self.notes]
-            self.notes = []
+        parts = [self._capped(self._take_preface(), self.last_byte)]
+        parts += self._take_notes(self._last(parts))
         for i, tail in enumerate(self.streams):
-            new = tail.read_new()
-            drained = len(new) < MAX_READ
-            self.backlog = self.backlog or not drained
-            if not self.held[i] and new:
-                self.held_since[i] = now
-            data = self.held[i] + new
-            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
-            rest = len(data) - cut
-            if (final and drained) or rest > HOLD_MAX or (rest and now - self.held_since[i] >= HOLD_S):
-                cut = len(data)
-            parts.append(data[:cut])
-            self.held[i] = data[cut:]
-            if self.held[i] and cut:
-                self.held_since[i] = now
+            if self.cut:  # nothing more of the rank's is stored: not even read
+                break
+            parts.append(self._capped(self._take_lines(i, tail, final, now), self._last(parts)))
+        if self.cut:
+            self.held, self.backlog = [b""] * len(self.streams), False
+            self._listen_past_the_cut()
         data = b"".join(parts)
         self.offset += len(data)
         if data:
             self.last_byte = data[-1:]
         return start, data
+
+    def _take_notes(self, before: bytes) -> list[bytes]:
+        """The worker's notes, on a line of their own even after a partial line the hold let
+        out (`before`: the last byte the log shows so far). Never cut: they are few, and say
+        why the job ended; they still count against the cap."""
+        if not self.notes:
+            return []
+        ended = before in (b"", b"\n", b"\r")
+        parts, self.notes = [b"" if ended else b"\n", *self.notes], []
+        self.room -= sum(map(len, parts))
+        return parts
+
+    def _listen_past_the_cut(self) -> None:
+        """Output past the cap is not stored, but it is still the rank speaking: its files'
+        sizes (one `fstat` each) tell the stall clock so (contract §8 counts any log byte)."""
+        sizes = [tail.size() for tail in self.streams]
+        self.talking = bool(self.sizes_past_cut) and sizes != self.sizes_past_cut
+        self.sizes_past_cut = sizes
+
+    def _take_lines(self, i: int, tail: FileTail, final: bool, now: float) -> bytes:
+        """Stream `i`'s new bytes up to its last line end; the unfinished rest is held (above)."""
+        new = tail.read_new()
+        drained = len(new) < MAX_READ
+        self.backlog = self.backlog or not drained
+        if not self.held[i] and new:
+            self.held_since[i] = now
+        data = self.held[i] + new
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+        rest = len(data) - cut
+        if (final and drained) or rest > HOLD_MAX or (rest and now - self.held_since[i] >= HOLD_S):
+            cut = len(data)
+        self.held[i] = data[cut:]
+        if self.held[i] and cut:
+            self.held_since[i] = now
+        return data[:cut]
+
+    def _last(self, parts: list[bytes]) -> bytes:
+        """The last byte of the stream so far: of this look's parts, else of earlier looks."""
+        return next((p[-1:] for p in reversed(parts) if p), self.last_byte)
+
+    def _capped(self, data: bytes, before: bytes) -> bytes:
+        """The rank's `data` as far as the cap lets it in; where it passes the cap, the cut line
+        (on a line of its own after `before`, the byte the stream ends with so far)."""
+        if self.cut or not data:
+            return b""
+        if len(data) <= self.room:
+            self.room -= len(data)
+            return data
+        kept = data[: max(self.room, 0)]
+        self.cut, self.room = True, 0
+        ended = (kept[-1:] or before) in (b"", b"\n")
+        return kept + (b"" if ended else b"\n") + self.cut_line
 
     def _take_preface(self) -> bytes:
         path, self.preface = self.preface, None

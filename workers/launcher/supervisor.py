@@ -31,6 +31,7 @@ from service.jobs.node_reports import (
 )
 from service.states import JobState, NodeState
 from workers.launcher import stall_report
+from workers.launcher.cgroups import NodeGroup
 from workers.launcher.clocks import LOST_PEERS, STALL, TIME_LIMIT, NodeClock
 from workers.launcher.command import (
     LaunchPlan,
@@ -42,7 +43,14 @@ from workers.launcher.command import (
 )
 from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import TAIL_BYTES, is_retryable, read_error_file, root_cause, tail
-from workers.launcher.ingest import CheckpointWatcher, EventsTail, FoundCheckpoint, RankLogs, epoch_from_name
+from workers.launcher.ingest import (
+    LOG_MAX_BYTES,
+    CheckpointWatcher,
+    EventsTail,
+    FoundCheckpoint,
+    RankLogs,
+    epoch_from_name,
+)
 from workers.launcher.jobfiles import JobFolder
 from workers.launcher.procs import (
     kill_group,
@@ -102,10 +110,13 @@ class NodeSupervisor:
         agents: WarmAgentPool | None = None,
         limits: NodeLimits | None = None,
         nnodes: int = 1,
+        group: NodeGroup | None = None,
+        log_max_bytes: int = LOG_MAX_BYTES,
     ) -> None:
         self.key, self.plan, self.hooks, self.grace_s, self.shutdown = key, plan, hooks, grace_s, shutdown
         self.clock = NodeClock(limits or NodeLimits())
         self.nnodes = nnodes
+        self.group = group  # the node's control groups: its limits, and all of it to kill
         self.next_peer_look = 0.0
         # torchrun's agent: a warm one from the worker's pool, or started cold
         self.agents = agents or cold_agents()
@@ -115,7 +126,10 @@ class NodeSupervisor:
         preface = environment_log_of(paths.run_dir)
         # every file of the job's is taken through this folder's descriptor (jobfiles.py)
         self.folder = JobFolder(paths.run_dir, owner=plan.owner[0] if plan.owner else None)
-        self.rank_logs = [RankLogs(self.folder, r, preface, logs=paths.logs.name) for r in range(nproc)]
+        self.rank_logs = [
+            RankLogs(self.folder, r, preface, logs=paths.logs.name, max_bytes=log_max_bytes)
+            for r in range(nproc)
+        ]
         self.events = EventsTail(self.folder, paths.events.name)
         self.checkpoints = CheckpointWatcher(self.folder, paths.checkpoints.name)
         self.ckpt_meta: dict[str, dict[str, Any]] = {}
@@ -144,7 +158,7 @@ class NodeSupervisor:
 
     def run(self) -> NodeOutcome:
         with self.agents.node_running():
-            proc = self.agents.launch(self.plan, self.prepare)
+            proc = self.agents.launch(self.plan, self.prepare, self.group)
             try:
                 rc = self._watch(proc)
             finally:
@@ -177,6 +191,8 @@ class NodeSupervisor:
         kill_group(proc.pid, signal.SIGKILL)
         if not self.plan.sandboxed:
             kill_under(str(self.plan.paths.run_dir) + "/")
+        if self.group is not None:  # whatever escaped the namespace or the group: all of it
+            self.group.kill_all()
 
     def _find_namespace(self, proc: subprocess.Popen[bytes]) -> None:
         if self.plan.sandboxed and self.namespace is None:
@@ -380,7 +396,7 @@ class NodeSupervisor:
             else:
                 batch.events.append(event)
         self.backlog = backlog or self.events.backlog
-        if batch:
+        if batch or any(logs.talking for logs in self.rank_logs):
             self.clock.heard()
         return batch
 
@@ -418,6 +434,10 @@ class NodeSupervisor:
             return NodeOutcome(state=NodeState.FAILED, exit_code=rc, error=error, retryable=True)
         if rc == 0:
             return NodeOutcome(state=NodeState.SUCCEEDED, exit_code=0)
+        passed = self.group.passed() if self.group is not None else None
+        if passed is not None:  # the job's own doing: not retried (contract §7 v3)
+            error = f"{passed} on node {self.key.node_rank}"
+            return NodeOutcome(state=NodeState.FAILED, exit_code=rc, error=error)
         return self._failure(rc)
 
     def _failure(self, rc: int) -> NodeOutcome:
@@ -442,6 +462,8 @@ class NodeSupervisor:
 
     def cleanup(self) -> None:
         remove_run_dir(self.plan.paths)
+        if self.group is not None:
+            self.group.remove()
 
 
 def remove_run_dir(paths: NodePaths) -> None:

@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from service.parent_death import dying_with_parent
+from workers.launcher.cgroups import NodeGroup
 from workers.launcher.command import LaunchPlan
-from workers.launcher.procs import kill_group
+from workers.launcher.procs import kill_group, pids_in_namespace, sandbox_namespace
 from workers.launcher.sandbox import RUN_DIR
 from workers.launcher.sandbox_spares import SpareDirs, SpareSandboxes
 
@@ -98,21 +99,25 @@ class WarmAgentPool:
         if dirs is not None and self.sandboxes is not None:
             self.sandboxes.discard(dirs)
 
-    def launch(self, plan: LaunchPlan, prepare: Callable[[], None]) -> subprocess.Popen[bytes]:
+    def launch(
+        self, plan: LaunchPlan, prepare: Callable[[], None], group: NodeGroup | None = None
+    ) -> subprocess.Popen[bytes]:
         """The node's agent: `prepare()` makes its run folder first (in a warm sandbox's case,
-        from the spare's own folders, which is why it is called here)."""
+        from the spare's own folders, which is why it is called here). With `group`, all of
+        the node runs in the node's control groups (cgroups.py): a cold agent is born there, a
+        warm one is moved in before it takes the launch."""
         if not plan.sandboxed:
             prepare()
-            return self.start(plan.argv, plan.process_env, plan.cwd, plan.paths.agent_log)
-        proc = self._take_sandboxed(plan, prepare)
+            return self.start(plan.argv, plan.process_env, plan.cwd, plan.paths.agent_log, group)
+        proc = self._take_sandboxed(plan, prepare, group)
         if proc is not None:
             return proc
         prepare()  # again where a spare's hand-over failed: it only makes what is missing
         self.cold_starts += 1
-        return self._cold(plan.argv, plan.process_env, plan.cwd, plan.paths.agent_log)
+        return self._cold(_inside(plan.argv, group), plan.process_env, plan.cwd, plan.paths.agent_log)
 
     def _take_sandboxed(
-        self, plan: LaunchPlan, prepare: Callable[[], None]
+        self, plan: LaunchPlan, prepare: Callable[[], None], group: NodeGroup | None = None
     ) -> subprocess.Popen[bytes] | None:
         """A spare sandbox moved under the node and handed its launch, or None (then nothing
         of a spare is left, and the run folder may already be made)."""
@@ -133,6 +138,9 @@ class WarmAgentPool:
             self.sandboxes.discard(dirs)
             return None
         prepare()
+        if group is not None:  # the spare's bwrap and everything in its sandbox
+            ns = sandbox_namespace(proc.pid)
+            group.add([proc.pid, *(pids_in_namespace(ns) if ns else [])])
         request = _request(plan.inner_argv, plan.env, RUN_DIR, RUN_DIR / plan.paths.agent_log.name)
         if self._hand_over(proc, request, plan.paths.agent_log):
             self.warm_starts += 1
@@ -140,7 +148,12 @@ class WarmAgentPool:
         return None
 
     def start(
-        self, argv: list[str], env: Mapping[str, str], cwd: Path, log_path: Path
+        self,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: Path,
+        log_path: Path,
+        group: NodeGroup | None = None,
     ) -> subprocess.Popen[bytes]:
         """The launch's agent, warm when one is ready for this argv and takes it, else cold."""
         proc, dirs = self._take() if self._warmable(argv) else (None, None)
@@ -148,11 +161,13 @@ class WarmAgentPool:
             _kill(proc)  # a sandboxed spare never takes a launch outside a sandbox
             self.sandboxes.discard(dirs)
             proc = None
+        if proc is not None and group is not None:
+            group.add([proc.pid])  # a warm agent starts its ranks only once it takes the launch
         if proc is not None and self._hand_over(proc, _request(argv, env, cwd, log_path), log_path):
             self.warm_starts += 1
             return proc
         self.cold_starts += 1
-        return self._cold(argv, env, cwd, log_path)
+        return self._cold(_inside(argv, group), env, cwd, log_path)
 
     def _cold(
         self, argv: list[str], env: Mapping[str, str], cwd: Path, log_path: Path
@@ -255,6 +270,10 @@ class WarmAgentPool:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         ), None
+
+
+def _inside(argv: list[str], group: NodeGroup | None) -> list[str]:
+    return group.join_argv(argv) if group is not None else argv
 
 
 def _request(argv: list[str], env: Mapping[str, str], cwd: Path, log_path: Path) -> bytes:
