@@ -55,6 +55,14 @@ class Settings(BaseSettings):
     # whenever the worker can, "off" never does (the worker then says isolation "none").
     sandbox: Literal["auto", "off"] = "auto"
     sandbox_user: str = "torchjobs-run"  # a root worker's ranks run as this user (else nobody)
+    # (contract §7 v3) "private": a single-node job's sandbox has a network namespace of its
+    # own (its ranks meet on its own loopback; no host service, no other job, and no route
+    # out); "host": every job on the host's network, as before v3. Multi-node jobs use the
+    # host's network either way (README: what that leaves open).
+    job_network: Literal["private", "host"] = "private"
+    # a root worker's job nodes each run as a uid of their own from this range (never reused
+    # while a process of it lives; workers/launcher/uids.py); "off": all as sandbox_user
+    job_uids: str = "2000000000-2099999999"
     allow_unisolated: bool = False  # an unsandboxed worker takes every user's jobs, not the admin's only
     # the worker's own variables that reach ranks: names, or prefixes ending in "*"; never
     # TORCHJOBS_*, AWS_* or the like, whatever this says (workers/launcher/command.py)

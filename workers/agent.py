@@ -8,6 +8,7 @@ checkpoint) and reported as lost, so their jobs retry where retries are allowed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -31,13 +32,14 @@ from workers.celery_app import make_celery, queue_for
 from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
 from workers.environments import envs_root
-from workers.launcher import cgroups, devices, sandbox
+from workers.launcher import cgroups, devices, sandbox, uids
 from workers.launcher.command import NodePaths, code_folders, passthrough, tmp_root
 from workers.launcher.procs import kill_under
 from workers.launcher.readable import warn_unreadable
 from workers.launcher.sandbox import Isolation
 from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.supervisor import remove_run_dir, warm_agents
+from workers.launcher.uids import UidPool
 from workers.tasks import register_tasks
 
 log = logging.getLogger("torchjobs.worker")
@@ -94,7 +96,18 @@ def spare_sandboxes(ctx: WorkerContext) -> SpareSandboxes:
         spares_root=ctx.run_root / ".spares",
         tmp_root=Path(tempfile.gettempdir()),
         python=sys.executable,
+        private_network=ctx.settings.job_network == "private",
+        uids=ctx.uids,
     )
+
+
+def job_uids(iso: Isolation, settings: Settings) -> tuple[UidPool | None, Isolation]:
+    """A root worker's uid pool (a uid per job node), and its isolation saying so."""
+    found = uids.parse(settings.job_uids)
+    if found is None or not iso.sandboxed or iso.uid is None:
+        return None, iso
+    detail = f"bubblewrap, each job node a uid of its own ({found.first}-{found.last}), seccomp"
+    return uids.UidPool(found), dataclasses.replace(iso, detail=detail)
 
 
 def announce_isolation(iso: Isolation, settings: Settings) -> None:
@@ -157,6 +170,7 @@ def run_worker(
     for cache in (settings.cache_dir / "code", envs_root(settings)):
         sweep_staging(cache)  # what a killed worker was building
     ctx.isolation = sandbox.detect(settings.sandbox, settings.sandbox_user)
+    ctx.uids, ctx.isolation = job_uids(ctx.isolation, settings)
     announce_isolation(ctx.isolation, settings)
     ctx.rank_base_env = passthrough(os.environ, settings.rank_env_allow)
     if ctx.isolation.sandboxed:  # the Python environment, script roots, a passed PYTHONPATH

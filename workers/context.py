@@ -12,6 +12,7 @@ from service.storage import Storage
 from workers.launcher.cgroups import Hierarchy
 from workers.launcher.devices import Gpu
 from workers.launcher.sandbox import UNISOLATED, Isolation
+from workers.launcher.uids import UidPool
 from workers.launcher.warm_pool import WarmAgentPool
 
 
@@ -32,6 +33,7 @@ class WorkerContext:
     host_gpus: tuple[Gpu, ...] = ()  # what nvidia-smi says of this host's GPUs
     rank_base_env: dict[str, str] = field(default_factory=dict)  # the worker's variables ranks get
     sandbox_read_only: tuple[str, ...] = ()  # what every sandbox of this worker binds read-only
+    uids: UidPool | None = None  # a uid per job node (a root worker's sandbox), else None
     cgroups: Hierarchy | None = None  # where each node's control groups are made (None: none)
 
     @property

@@ -23,6 +23,7 @@ from workers.environments import EnvironmentFailed, ensure_environment
 from workers.launcher.cgroups import NodeGroup, host_memory
 from workers.launcher.command import NodeLaunch, NodePaths, build_launch, environment_log_of, tmp_root
 from workers.launcher.devices import device_files
+from workers.launcher.sandbox import Isolation
 from workers.launcher.supervisor import Hooks, NodeSupervisor, remove_run_dir
 
 log = logging.getLogger("torchjobs.worker")
@@ -99,6 +100,14 @@ def _node_group(ctx: WorkerContext, key: NodeKey, gpus: int) -> NodeGroup | None
     return NodeGroup.make(ctx.cgroups, name, pids_max=ctx.settings.job_pids_max, memory_bytes=memory)
 
 
+def _own_uid(ctx: WorkerContext) -> Isolation:
+    """The worker's isolation, with a uid of the node's own where the worker hands them out."""
+    if ctx.uids is None or not ctx.isolation.sandboxed or ctx.isolation.uid is None:
+        return ctx.isolation
+    uid = ctx.uids.take()
+    return dataclasses.replace(ctx.isolation, uid=uid, gid=uid)
+
+
 def _limits_now(claimed: Claimed, claimed_at: float, peer_exit_timeout_s: float) -> NodeLimits:
     """The job's clocks and the worker's own peer timeout. The time limit counts from the
     claim: building the environment is part of the run."""
@@ -148,13 +157,15 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         resume_path=resume_path,
         tmp_root=tmp_root(),
         base_env=ctx.rank_base_env,
-        isolation=ctx.isolation,
+        isolation=_own_uid(ctx),
         read_only=ctx.sandbox_read_only,
         device_ids=device_ids,
         devices=device_files(device_ids, ctx.host_gpus) if cuda_sandbox else (),
         code_dir=code_dir,
         site_first=_environment(ctx, key, claimed.pip, run_dir) if claimed.pip else None,
-        worker_slots=ctx.gpus,  # a CPU rank takes its slots' share of the cores (runtime/cpus.py)
+        worker_slots=ctx.gpus,
+        private_network=ctx.settings.job_network
+        == "private",  # a CPU rank takes its slots' share of the cores (runtime/cpus.py)
     )
 
 

@@ -8,7 +8,10 @@ job: nothing of it runs on the host, and nothing it wrote is left there.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,7 +42,7 @@ def mallory(stack: Stack) -> str:
     return str(resp.json()["token"])
 
 
-def _attack(stack: Stack, token: str, attack: str, target: Path, **spec: object) -> dict:
+def _attack(stack: Stack, token: str, attack: str, target: Path | str, **spec: object) -> dict:
     entry = {"kind": "script", "path": "break_out.py"}
     job = stack.submit(
         {
@@ -120,3 +123,54 @@ def test_a_job_past_its_limits_fails_naming_the_limit(
     assert done["state"] == "failed"
     assert done["error"].startswith(limit), done["error"]
     assert done["attempt"] == 1  # the job's own doing: not retried
+
+
+def test_no_kernel_keys_user_namespaces_or_mounts_from_a_job(stack: Stack, mallory: str) -> None:
+    """A key left in the user keyring would be the next job's of that uid to read; a user
+    namespace or a mount is a way around the walls: the sandbox's seccomp filter refuses all."""
+    done = _attack(stack, mallory, "kernel", Path("/nonexistent"))
+    assert done["state"] == "succeeded", done["error"]
+    line = next(x for x in _logs(stack, mallory, done["id"]).splitlines() if x.startswith("KERNEL "))
+    found = json.loads(line.removeprefix("KERNEL "))
+    assert found["add_key"] == errno.EPERM and found["mount"] == errno.EPERM
+    assert found["unshare -Ur"] != 0
+
+
+def _host_address() -> str:
+    """This host's own address on its network (not loopback), as another machine reaches it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: only the route is looked up
+        return str(probe.getsockname()[0])
+
+
+def test_a_job_reaches_no_host_service(stack: Stack, mallory: str) -> None:
+    """The host's PostgreSQL (trust auth: a superuser to whoever connects) and Redis on its
+    loopback, and a port listening on every address of the host: none answers a job."""
+    with socket.create_server(("0.0.0.0", 0)) as listener:
+        port = listener.getsockname()[1]
+        targets = [f"127.0.0.1:{p}" for p in (5432, 6379, port)] + [f"{_host_address()}:{port}"]
+        for target in targets:  # each answers the host itself: the job's failure is the wall
+            host, p = target.rsplit(":", 1)
+            socket.create_connection((host, int(p)), timeout=3).close()
+        done = _attack(stack, mallory, "network", ",".join(targets))
+    assert done["state"] == "succeeded", done["error"]
+    line = next(x for x in _logs(stack, mallory, done["id"]).splitlines() if x.startswith("NETWORK "))
+    found = json.loads(line.removeprefix("NETWORK "))
+    assert set(found) == set(targets)
+    reached = [t for t, how in found.items() if how == "connected"]
+    assert not reached, f"a job reached {reached}"
+
+
+def test_each_job_runs_as_a_uid_of_its_own_never_reused(stack: Stack, mallory: str) -> None:
+    with stack.client() as c:
+        other = c.post("/v1/users", json={"name": "trudy"}).json()["token"]
+    seen = []
+    for token in (mallory, other, mallory):
+        done = _attack(stack, token, "uid", "")
+        assert done["state"] == "succeeded", done["error"]
+        line = next(x for x in _logs(stack, token, done["id"]).splitlines() if x.startswith("UID "))
+        uid, gid, name = line.split()[1:]
+        assert uid == gid and 2_000_000_000 <= int(uid) <= 2_099_999_999, line
+        assert name == "torchjobs"  # the sandbox's /etc/passwd names it: getpass, torch's caches
+        seen.append(uid)
+    assert len(set(seen)) == 3, seen

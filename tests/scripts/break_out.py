@@ -13,6 +13,11 @@ canary folder) the rank cannot see itself but names in a link, for the worker to
 - fifo:        its logs and events file become fifos, then it sleeps well past its time limit
 - pids:        forks 400 sleeping processes (past a process limit of 200)
 - memory:      fills /dev/shm, then its heap, past its memory limit
+- network:     connects to each `host:port` of BREAK_TARGET (the host's PostgreSQL, Redis, a
+               socket the test listens on): prints `NETWORK {json}`, "connected" or the error
+- uid:         prints `UID uid gid name`
+- kernel:      leaves a key in the kernel's keyrings, makes a user namespace (`unshare -Ur`),
+               mounts: prints `KERNEL {json}` of what each gave
 """
 
 from __future__ import annotations
@@ -103,5 +108,57 @@ def memory() -> None:
     print("never here", len(hoard), flush=True)
 
 
-ATTACKS = {"logs": logs, "tmp": tmp, "checkpoints": checkpoints, "fifo": fifo, "pids": pids, "memory": memory}
+def kernel() -> None:
+    import ctypes
+    import json
+    import subprocess
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    numbers = {"x86_64": (248, 165), "aarch64": (217, 40)}[os.uname().machine]
+
+    def call(nr: int, *args: object) -> int:
+        ctypes.set_errno(0)
+        libc.syscall(nr, *args)
+        return ctypes.get_errno()
+
+    found = {
+        "add_key": call(numbers[0], b"user", b"left-for-the-next-job", b"secret", 6, ctypes.c_long(-4)),
+        "mount": call(numbers[1], b"none", b"/tmp", b"tmpfs", 0, 0),
+        "unshare -Ur": subprocess.run(["unshare", "-Ur", "true"], capture_output=True).returncode,
+    }
+    print("KERNEL " + json.dumps(found), flush=True)
+
+
+def network() -> None:
+    import json
+    import socket
+
+    found = {}
+    for target in TARGET.split(","):
+        host, port = target.rsplit(":", 1)
+        try:
+            with socket.create_connection((host, int(port)), timeout=3):
+                found[target] = "connected"
+        except OSError as exc:
+            found[target] = f"{exc.__class__.__name__}: {exc}"
+    print("NETWORK " + json.dumps(found), flush=True)
+
+
+def uid() -> None:
+    import getpass
+
+    print(f"UID {os.getuid()} {os.getgid()} {getpass.getuser()}", flush=True)
+
+
+ATTACKS = {
+    "uid": uid,
+    "network": network,
+    "kernel": kernel,
+    "logs": logs,
+    "tmp": tmp,
+    "checkpoints": checkpoints,
+    "fifo": fifo,
+    "pids": pids,
+    "memory": memory,
+}
 ATTACKS[ATTACK]()

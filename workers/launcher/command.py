@@ -62,6 +62,7 @@ class NodeLaunch:
     site_first: str | None = None  # the job's built environment.pip, first on the ranks' PYTHONPATH
     # how many slots the worker has (CPU: its cores are shared out among them); 0: not told
     worker_slots: int = 0
+    private_network: bool = False  # (sandboxed, single-node) a network namespace of its own
 
     def __post_init__(self) -> None:
         if self.mode not in ("single", "dp", "ddp"):
@@ -135,6 +136,7 @@ class LaunchPlan:
     inner_argv: list[str] = field(default_factory=list)  # in a sandbox: torchrun's own command line
     resume: str | None = None  # the resume file, on the worker's side
     code_dir: Path | None = None  # the job's unpacked code, copied to `paths.workdir` by prepare()
+    private_network: bool = False  # its sandbox has a network namespace of its own
 
     @property
     def sandboxed(self) -> bool:
@@ -156,6 +158,12 @@ def environment_log_of(run_dir: Path) -> Path:
     """The node's environment build output, beside its run folder (a warm sandbox's folder is
     renamed into place at launch, after the build): every rank's log starts with it."""
     return run_dir.with_name(run_dir.name + ".environment.log")
+
+
+def identity_dir_of(run_dir: Path) -> Path:
+    """The node's /etc/passwd and /etc/group (sandbox.write_identity), beside its run folder:
+    the worker's, not the job's to change."""
+    return run_dir.with_name(run_dir.name + ".identity")
 
 
 def resume_dir_of(run_dir: Path) -> Path:
@@ -222,6 +230,8 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         resume=launch.resume_path,
         read_only=launch.read_only,
         devices=launch.devices,
+        private_network=launch.private_network and launch.nnodes == 1,
+        identity=identity_dir_of(launch.run_dir) if launch.isolation.uid is not None else None,
     )
     iso = launch.isolation
     return LaunchPlan(
@@ -235,6 +245,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         isolation=iso,
         owner=iso.owner,
         code_dir=launch.code_dir,
+        private_network=mounts.private_network,
     )
 
 

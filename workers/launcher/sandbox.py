@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.launcher import seccomp
+
 log = logging.getLogger("torchjobs.worker")
 
 SANDBOX = "sandbox"
@@ -56,13 +58,23 @@ ETC_FILES = (
 )  # fmt: skip
 
 # The sandbox's first program: SIGTERM when bwrap's outer process goes (the worker died, or
-# stopped the node), then torchrun with the environment from the file. `-S -I`: no site, no
-# PYTHON* variables; it costs one bare interpreter start (about 15 ms).
+# stopped the node), the system-call filter (seccomp.py, given as hex; after no_new_privs, for
+# good), then torchrun with the environment from the file. `-S -I`: no site, no PYTHON*
+# variables; it costs one bare interpreter start (about 15 ms).
 ENTRY = (
     "import ctypes, json, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
-    "with open(sys.argv[1]) as fh: env = json.load(fh)\n"
-    "os.execve(sys.argv[2], sys.argv[2:], env)\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
+    "prog = bytes.fromhex(sys.argv[1])\n"
+    "if prog:\n"
+    "    class Prog(ctypes.Structure): _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_char_p)]\n"
+    "    fprog = Prog(len(prog) // 8, prog)\n"
+    "    ul = ctypes.c_ulong\n"
+    "    nnp = libc.prctl(38, ul(1), ul(0), ul(0), ul(0))\n"  # PR_SET_NO_NEW_PRIVS
+    "    if nnp or libc.prctl(22, ul(2), ctypes.byref(fprog), ul(0), ul(0)):\n"  # SECCOMP_MODE_FILTER
+    "        sys.exit('torchjobs sandbox: seccomp filter refused: ' + os.strerror(ctypes.get_errno()))\n"
+    "with open(sys.argv[2]) as fh: env = json.load(fh)\n"
+    "os.execve(sys.argv[3], sys.argv[3:], env)\n"
 )
 
 
@@ -106,6 +118,8 @@ class Mounts:
     resume_dir: Path | None = None  # or a whole folder at /resume (a spare sandbox's: see sandbox_spares.py)
     read_only: tuple[str, ...] = ()  # the Python environment, script roots
     devices: tuple[str, ...] = ()  # GPU device files
+    private_network: bool = False  # a network namespace of its own: loopback only
+    identity: Path | None = None  # a folder with the `passwd` and `group` that name the node's uid
 
 
 def inside_resume_path(resume: str) -> str:
@@ -117,9 +131,14 @@ def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> li
     assert iso.bwrap is not None
     args = [iso.bwrap, "--die-with-parent", "--as-pid-1", "--clearenv"]
     args += ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if mounts.private_network:
+        args += ["--unshare-net"]
     if iso.method == "bwrap-userns":
         args += ["--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns"]
     args += _system_binds()
+    if mounts.identity is not None:  # over the host's: the node's uid has a name inside
+        for name in ("passwd", "group"):
+            args += ["--ro-bind", str(mounts.identity / name), f"/etc/{name}"]
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm"]
     for device in mounts.devices:
         args += ["--dev-bind-try", device, device]
@@ -139,7 +158,8 @@ def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> li
     if iso.method == "bwrap-setuid":
         args += [_setpriv(), f"--reuid={iso.uid}", f"--regid={iso.gid}", "--clear-groups"]
         args += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-    return [*args, python, "-S", "-I", "-c", ENTRY, str(RUN_DIR / ENV_FILE), *argv]
+    entry = [python, "-S", "-I", "-c", ENTRY, seccomp.program().hex(), str(RUN_DIR / ENV_FILE)]
+    return [*args, *entry, *argv]
 
 
 def _system_binds() -> list[str]:
@@ -153,6 +173,23 @@ def _system_binds() -> list[str]:
     for name in ETC_FILES:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
     return [*args, "--ro-bind-try", "/sys", "/sys"]
+
+
+def write_identity(folder: Path, uid: int, gid: int) -> None:
+    """The sandbox's /etc/passwd and /etc/group: the host's, plus the node's own uid as
+    `torchjobs` (a uid of its own has no account; `getpass`, torch's caches and `whoami` ask)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, line in (
+        ("passwd", f"torchjobs:x:{uid}:{gid}:torchjobs job:{RUN_DIR}/home:/bin/sh\n"),
+        ("group", f"torchjobs:x:{gid}:\n"),
+    ):
+        try:
+            host = Path(f"/etc/{name}").read_text()
+        except OSError:
+            host = ""
+        kept = "".join(x + "\n" for x in host.splitlines() if not x.startswith("torchjobs:"))
+        (folder / name).write_text(kept + line)
+        (folder / name).chmod(0o644)
 
 
 def python_paths(python: str) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ binds only its own job's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -27,7 +28,8 @@ from pathlib import Path
 
 from service.parent_death import dying_with_parent
 from workers.launcher.command import SYSTEM_PATH, LaunchPlan, resume_dir_of
-from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts, wrap
+from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts, wrap, write_identity
+from workers.launcher.uids import UidPool
 
 
 @dataclass(frozen=True)
@@ -36,19 +38,40 @@ class SpareDirs:
     run: Path  # bound at /job
     tmp: Path  # bound at /tmp
     resume: Path  # bound at /resume, read-only
+    owner: tuple[int, int] | None = None  # the uid and gid the spare runs as (a root worker's)
 
 
 class SpareSandboxes:
     def __init__(
-        self, iso: Isolation, read_only: tuple[str, ...], spares_root: Path, tmp_root: Path, python: str
+        self,
+        iso: Isolation,
+        read_only: tuple[str, ...],
+        spares_root: Path,
+        tmp_root: Path,
+        python: str,
+        private_network: bool = False,
+        uids: UidPool | None = None,
     ) -> None:
+        self.uids = uids  # each spare a uid of its own, which the node it serves keeps
         self.iso, self.read_only, self.python = iso, read_only, python
+        self.private_network = private_network  # a spare serves only nodes with the same network
         self.spares_root, self.tmp_root = spares_root, tmp_root
 
     def spawn(self) -> tuple[subprocess.Popen[bytes], SpareDirs]:
-        dirs = self._make_dirs()
-        mounts = Mounts(run_dir=dirs.run, tmp_dir=dirs.tmp, resume_dir=dirs.resume, read_only=self.read_only)
-        argv = wrap([self.python, "-m", "workers.launcher.warm_agent"], self.iso, mounts, self.python)
+        iso = self.iso
+        if self.uids is not None:
+            uid = self.uids.take()
+            iso = dataclasses.replace(iso, uid=uid, gid=uid)
+        dirs = self._make_dirs(iso.owner)
+        mounts = Mounts(
+            run_dir=dirs.run,
+            tmp_dir=dirs.tmp,
+            resume_dir=dirs.resume,
+            read_only=self.read_only,
+            private_network=self.private_network,
+            identity=dirs.root / "identity" if dirs.owner is not None else None,
+        )
+        argv = wrap([self.python, "-m", "workers.launcher.warm_agent"], iso, mounts, self.python)
         try:
             proc = subprocess.Popen(
                 dying_with_parent(argv),
@@ -63,18 +86,20 @@ class SpareSandboxes:
             raise
         return proc, dirs
 
-    def _make_dirs(self) -> SpareDirs:
+    def _make_dirs(self, owner: tuple[int, int] | None) -> SpareDirs:
         name = uuid.uuid4().hex[:12]
         root = self.spares_root / name
+        if owner is not None:
+            write_identity(root / "identity", *owner)
         tmp = self.tmp_root / f"torchjobs-spare-{name}"
-        dirs = SpareDirs(root=root, run=root / "run", tmp=tmp, resume=root / "resume")
+        dirs = SpareDirs(root=root, run=root / "run", tmp=tmp, resume=root / "resume", owner=owner)
         for folder in (dirs.run, dirs.tmp, dirs.resume):
             folder.mkdir(parents=True)
         env_file = dirs.run / ENV_FILE
         env_file.write_text(json.dumps({"PATH": SYSTEM_PATH, "PYTHONUNBUFFERED": "1"}))
-        if self.iso.owner is not None:
+        if owner is not None:
             for path in (dirs.run, dirs.tmp, env_file):
-                os.chown(path, *self.iso.owner)
+                os.chown(path, *owner)
         return dirs
 
     def place(self, dirs: SpareDirs, plan: LaunchPlan) -> None:

@@ -37,6 +37,7 @@ from workers.launcher.command import (
     LaunchPlan,
     NodePaths,
     environment_log_of,
+    identity_dir_of,
     lay_out_run_dir,
     processes_per_node,
     resume_dir_of,
@@ -60,6 +61,7 @@ from workers.launcher.procs import (
     sandbox_namespace,
     signal_all,
 )
+from workers.launcher.sandbox import write_identity
 from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.stacks import rank_processes
 from workers.launcher.warm_pool import WarmAgentPool
@@ -141,10 +143,14 @@ class NodeSupervisor:
         self.stop_reason: str | None = None
         self.namespace: str | None = None  # the sandbox's PID namespace, once seen
 
-    def prepare(self) -> None:
+    def prepare(self, owner: tuple[int, int] | None = None) -> None:
         """The run folder. In a sandbox its writable parts belong to the sandbox user; the
-        ranks' environment waits there in a file only that user (and the worker) can read."""
-        paths, owner = self.plan.paths, self.plan.owner
+        ranks' environment waits there in a file only that user (and the worker) can read.
+        `owner`: the uid a warm spare sandbox already runs as, which the node then takes."""
+        paths, owner = self.plan.paths, owner or self.plan.owner
+        self.folder.owner = owner[0] if owner else None
+        if self.plan.owner is not None:  # a cold sandbox binds it (a spare has its own)
+            write_identity(identity_dir_of(paths.run_dir), *self.plan.owner)
         folders = lay_out_run_dir(self.plan)
         if self.plan.sandboxed:
             fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -474,6 +480,7 @@ def remove_run_dir(paths: NodePaths) -> None:
     run_dir = paths.run_dir
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(resume_dir_of(run_dir), ignore_errors=True)
+    shutil.rmtree(identity_dir_of(run_dir), ignore_errors=True)
     environment_log_of(run_dir).unlink(missing_ok=True)
 
 

@@ -32,6 +32,9 @@ from workers.launcher.procs import kill_group, pids_in_namespace, sandbox_namesp
 from workers.launcher.sandbox import RUN_DIR
 from workers.launcher.sandbox_spares import SpareDirs, SpareSandboxes
 
+# makes the node's run folder, handed to the given uid (a spare's), else the plan's
+Prepare = Callable[..., None]
+
 log = logging.getLogger("torchjobs.worker")
 
 TORCHRUN = ("-m", "torch.distributed.run")
@@ -100,7 +103,7 @@ class WarmAgentPool:
             self.sandboxes.discard(dirs)
 
     def launch(
-        self, plan: LaunchPlan, prepare: Callable[[], None], group: NodeGroup | None = None
+        self, plan: LaunchPlan, prepare: Prepare, group: NodeGroup | None = None
     ) -> subprocess.Popen[bytes]:
         """The node's agent: `prepare()` makes its run folder first (in a warm sandbox's case,
         from the spare's own folders, which is why it is called here). With `group`, all of
@@ -117,12 +120,14 @@ class WarmAgentPool:
         return self._cold(_inside(plan.argv, group), plan.process_env, plan.cwd, plan.paths.agent_log)
 
     def _take_sandboxed(
-        self, plan: LaunchPlan, prepare: Callable[[], None], group: NodeGroup | None = None
+        self, plan: LaunchPlan, prepare: Prepare, group: NodeGroup | None = None
     ) -> subprocess.Popen[bytes] | None:
         """A spare sandbox moved under the node and handed its launch, or None (then nothing
         of a spare is left, and the run folder may already be made)."""
         if self.sandboxes is None or not self.enabled:
             return None
+        if self.sandboxes.private_network != plan.private_network:
+            return None  # the spare waits for a node of its kind (a multi-node job's: host network)
         proc, dirs = self._take()
         if proc is None or dirs is None:
             if dirs is not None:
@@ -137,7 +142,7 @@ class WarmAgentPool:
             _kill(proc)
             self.sandboxes.discard(dirs)
             return None
-        prepare()
+        prepare(dirs.owner)  # the node runs as the uid its spare was given
         if group is not None:  # the spare's bwrap and everything in its sandbox
             ns = sandbox_namespace(proc.pid)
             group.add([proc.pid, *(pids_in_namespace(ns) if ns else [])])

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from workers.launcher import seccomp
 from workers.launcher.command import NodeLaunch, build_launch, passthrough, processes_per_node
 from workers.launcher.sandbox import ENTRY, Isolation
 
@@ -118,7 +119,9 @@ def test_the_rank_environment_is_an_allow_list_never_the_workers_minus_names() -
 
 def test_a_sandboxed_launch_runs_torchrun_inside_bubblewrap_with_its_own_view() -> None:
     iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap="/bw", uid=4242, gid=4243)
-    plan = build_launch(launch(isolation=iso, resume_path="/home/tj/cache/abc.pt", read_only=("/venv",)))
+    plan = build_launch(
+        launch(isolation=iso, resume_path="/home/tj/cache/abc.pt", read_only=("/venv",), private_network=True)
+    )
     argv = plan.argv
     assert argv[0] == "/bw" and "--unshare-pid" in argv and "--clearenv" in argv
     assert "--reuid=4242" in argv and "--no-new-privs" in argv and plan.owner == (4242, 4243)
@@ -131,7 +134,15 @@ def test_a_sandboxed_launch_runs_torchrun_inside_bubblewrap_with_its_own_view() 
     assert argv[argv.index("/venv") - 1 :][:3] == ["--ro-bind-try", "/venv", "/venv"]
     # the entry program, then torchrun itself, unchanged, with paths as the ranks see them
     tail = argv[argv.index(ENTRY) + 1 :]
+    assert bytes.fromhex(tail[0]) == seccomp.program()  # the system-call filter it installs
+    tail = tail[1:]
     assert tail[0] == "/job/.rank-env.json" and tail[1:4] == ["/py", "-m", "torch.distributed.run"]
+    # the node's uid has a name inside: /etc/passwd and /etc/group from beside its run folder
+    assert (
+        argv[argv.index("/runs/j7.identity/passwd") :][:2] == ["/runs/j7.identity/passwd", "/etc/passwd"]
+        and "/runs/j7.identity/group" in argv
+    )
+    assert "--unshare-net" in argv  # a single-node job: a network of its own
     assert tail[-2:] == ["--config", "/job/config.json"] and "--log-dir=/job/logs" in tail
     env = plan.env
     assert env["TORCHJOBS_CHECKPOINT_DIR"] == "/job/checkpoints" and env["TMPDIR"] == "/tmp"
