@@ -104,6 +104,8 @@ class Settings(BaseSettings):
     # divided by the worker's GPUs); past either the job fails, naming the limit
     job_pids_max: int = Field(8192, ge=16)
     memory_per_gpu_mb: int | None = Field(None, gt=0)
+    # bytes a job node keeps under its run folder and TMPDIR, per GPU (workers/launcher/disk.py)
+    job_disk_max_mb: int = Field(102400, gt=0)
 
     # GET /v1/jobs/{id} from memory while a change feed runs (service.jobs.view_cache); 0: off
     job_view_cache_ttl_s: float = Field(5.0, ge=0)

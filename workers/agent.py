@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import socket
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from workers.context import WorkerContext
 from workers.environments import envs_root
 from workers.launcher import cgroups, devices, sandbox, uids
 from workers.launcher.command import NodePaths, code_folders, passthrough, tmp_root
+from workers.launcher.jobfiles import remove_tree
 from workers.launcher.procs import kill_under
 from workers.launcher.readable import warn_unreadable
 from workers.launcher.sandbox import Isolation
@@ -67,7 +67,7 @@ def remove_stale_runs(run_root: Path) -> None:
         log.warning("killed %s orphaned process(es) of a previous worker process", killed)
     for run_dir in run_root.glob("job-*/attempt-*/node-*"):
         remove_run_dir(NodePaths(run_dir=run_dir, tmp_root=tmp_root()))
-    shutil.rmtree(run_root, ignore_errors=True)
+    remove_tree(run_root)
 
 
 def register(ctx: WorkerContext) -> None:

@@ -65,6 +65,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             nnodes=launch.nnodes,
             log_max_bytes=int(ctx.settings.log_max_mb * 1024 * 1024),
             group=_node_group(ctx, key, len(launch.gpus)),
+            disk_max_bytes=ctx.settings.job_disk_max_mb * 1024 * 1024 * len(launch.gpus),
         )
         outcome = supervisor.run()
     except InvalidSpec as exc:

@@ -9,7 +9,7 @@ always stored first, outside any transaction; a row whose job has gone takes its
 from __future__ import annotations
 
 import logging
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -26,6 +26,10 @@ from service.storage import CHUNK, Storage
 log = logging.getLogger("torchjobs.checkpoints")
 
 
+class Readable(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+
 def record_checkpoint(session: Session, ckpt: Checkpoint) -> Checkpoint:
     """Add the row; a job's checkpoint is announced on its event stream in the same transaction."""
     repo.add(session, ckpt)
@@ -38,7 +42,7 @@ def store_rank_checkpoint(
     db: Database,
     storage: Storage,
     key: NodeKey,
-    source: BinaryIO,
+    source: Readable,
     name: str,
     meta: dict[str, Any] | None,
     version: int = 0,

@@ -58,6 +58,7 @@ def runs_only_torchjobs_code(job: Job) -> bool:
         job.entrypoint.get("kind") == "builtin"
         and job.code is None
         and not (job.environment or {}).get("pip")
+        and not job.env  # GLOO_SOCKET_IFNAME=nosuch fails a pre-flight by the user's own choice
     )
 
 

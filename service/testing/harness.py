@@ -306,14 +306,31 @@ def pids_of_job(job_id: int, home: Path | None = None) -> list[int]:
             members.setdefault(ns, []).append(int(entry))
             if needle in env or f"/job-{job_id}/" in sandboxes[ns]:
                 named.add(ns)
-        elif (needle in env and (not where or any(v.startswith(where) for v in env))) or _warm_agent_of(
-            entry, job_id, home
+        elif (
+            (needle in env and (not where or any(v.startswith(where) for v in env)))
+            or _warm_agent_of(entry, job_id, home)
+            or needle in env
+            and _sandbox_of(entry, home)
         ):
             found.append(int(entry))
     for ns in named:
         if home is None or sandboxes[ns].startswith(str(home)):
             found += members[ns]
     return found
+
+
+def _sandbox_of(pid: str, home: Path | None) -> bool:
+    """A sandboxed process whose /job is a run folder under `home` (its mount table says so,
+    whether or not the bwrap that made it still lives)."""
+    try:
+        mounts = Path(f"/proc/{pid}/mountinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return any(
+        line.split()[4] == "/job" and (home is None or line.split()[3].startswith(str(home)))
+        for line in mounts.splitlines()
+        if len(line.split()) > 4
+    )
 
 
 def _warm_agent_of(pid: str, job_id: int, home: Path | None) -> bool:

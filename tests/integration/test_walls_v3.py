@@ -28,7 +28,11 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the root worker's san
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = Path(tmp_path_factory.mktemp("walls-v3"))
-    limits = {"TORCHJOBS_JOB_PIDS_MAX": "200", "TORCHJOBS_MEMORY_PER_GPU_MB": "900"}
+    limits = {
+        "TORCHJOBS_JOB_PIDS_MAX": "200",
+        "TORCHJOBS_MEMORY_PER_GPU_MB": "900",
+        "TORCHJOBS_JOB_DISK_MAX_MB": "100",
+    }
     stack = harness.embedded_stack(home, harness.make_env(home, **limits))
     yield stack
     stack.stop()
@@ -174,3 +178,10 @@ def test_each_job_runs_as_a_uid_of_its_own_never_reused(stack: Stack, mallory: s
         assert name == "torchjobs"  # the sandbox's /etc/passwd names it: getpass, torch's caches
         seen.append(uid)
     assert len(set(seen)) == 3, seen
+
+
+def test_a_job_past_its_disk_limit_fails_naming_it(stack: Stack, mallory: str) -> None:
+    done = _attack(stack, mallory, "disk", "")
+    assert done["state"] == "failed"
+    assert done["error"].startswith("disk limit"), done["error"]
+    assert done["attempt"] == 1

@@ -15,6 +15,7 @@ canary folder) the rank cannot see itself but names in a link, for the worker to
 - memory:      fills /dev/shm, then its heap, past its memory limit
 - network:     connects to each `host:port` of BREAK_TARGET (the host's PostgreSQL, Redis, a
                socket the test listens on): prints `NETWORK {json}`, "connected" or the error
+- disk:        writes 300 MB under its HOME and sleeps (past a disk limit of 100 MB)
 - uid:         prints `UID uid gid name`
 - kernel:      leaves a key in the kernel's keyrings, makes a user namespace (`unshare -Ur`),
                mounts: prints `KERNEL {json}` of what each gave
@@ -144,6 +145,14 @@ def network() -> None:
     print("NETWORK " + json.dumps(found), flush=True)
 
 
+def disk() -> None:
+    home = os.environ["HOME"]
+    for i in range(30):
+        with open(f"{home}/fill-{i}", "wb") as fh:
+            fh.write(os.urandom(10 * 1024 * 1024))
+    time.sleep(600)
+
+
 def uid() -> None:
     import getpass
 
@@ -151,6 +160,7 @@ def uid() -> None:
 
 
 ATTACKS = {
+    "disk": disk,
     "uid": uid,
     "network": network,
     "kernel": kernel,

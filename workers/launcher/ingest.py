@@ -10,6 +10,7 @@ left more behind: the supervisor then looks again sooner, and at the end until n
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -24,6 +25,9 @@ HOLD_MAX = 64 * 1024  # a partial line longer than this goes out anyway
 HOLD_S = 2.0  # and so does one that has waited this long for its end
 LOG_MAX_BYTES = 100 * 1024 * 1024  # each rank's stored log per attempt (TORCHJOBS_LOG_MAX_MB)
 IGNORED_SUFFIXES = (".tmp", ".partial")
+MAX_CHECKPOINTS = 10_000  # checkpoint files one node takes per attempt
+SPARSE_FROM = 64 * 1024 * 1024  # a larger file with under half its size on disk is refused
+MAX_EVENT_LINE = 1024 * 1024  # a longer events line is no event: dropped, never held in memory
 
 
 class FileTail:
@@ -72,6 +76,7 @@ class EventsTail:
 
     def __init__(self, folder: JobFolder, rel: str) -> None:
         self.tail = FileTail(folder, rel)
+        self.skipping = False  # inside a line too long to be an event
         self.buffer = b""
         self.backlog = False
 
@@ -82,8 +87,12 @@ class EventsTail:
     def read_new(self) -> list[dict[str, Any]]:
         new = self.tail.read_new()
         self.backlog = len(new) >= MAX_READ
-        self.buffer += new
-        *lines, self.buffer = self.buffer.split(b"\n")
+        *lines, rest = (self.buffer + new).split(b"\n")
+        if self.skipping and lines:  # the end of a line too long to be an event
+            lines, self.skipping = lines[1:], False
+        if self.skipping or len(rest) > MAX_EVENT_LINE:  # dropped up to its end, never held
+            rest, self.skipping = b"", True
+        self.buffer = rest
         events = []
         for line in lines:
             try:
@@ -275,12 +284,40 @@ class RankLogs:
 
 @dataclass(frozen=True)
 class FoundCheckpoint:
-    """A complete checkpoint file, already open: the upload reads this descriptor, never the name."""
+    """A complete checkpoint file, already open: the upload reads this descriptor, never the name,
+    and exactly the `size` bytes that were seen complete (`Exactly`)."""
 
     name: str
-    file: BinaryIO
+    file: Exactly
     size: int
     version: int = 0  # how many earlier files of this name were taken (a script's `last.pt`)
+
+
+class CheckpointChanged(OSError):
+    """The file shrank while it was stored: not the file that was complete; not taken."""
+
+
+class Exactly:
+    """A checkpoint's bytes, as many as were seen complete: a file the job grows (or truncates
+    to 16 TiB) while it is stored is read no further than that."""
+
+    def __init__(self, fh: BinaryIO, size: int) -> None:
+        self.fh, self.size, self.left = fh, size, size
+
+    def read(self, n: int = -1) -> bytes:
+        want = self.left if n < 0 else min(n, self.left)
+        data = self.fh.read(want) if want else b""
+        if want and not data:
+            raise CheckpointChanged(f"shrank while stored ({self.size - self.left} of {self.size} bytes)")
+        self.left -= len(data)
+        return data
+
+    def seek(self, offset: int) -> None:
+        self.fh.seek(offset)
+        self.left = self.size - offset
+
+    def close(self) -> None:
+        self.fh.close()
 
 
 Signature = tuple[int, int, int]  # size, mtime_ns, inode
@@ -296,8 +333,10 @@ class CheckpointWatcher:
     taken again, with the next `version`.
     """
 
-    def __init__(self, folder: JobFolder, sub: str = "checkpoints") -> None:
+    def __init__(self, folder: JobFolder, sub: str = "checkpoints", max_bytes: int | None = None) -> None:
         self.folder, self.sub = folder, sub  # looked up anew at each poll: a script may remake it
+        self.max_bytes = max_bytes  # a file larger than the node may keep is no checkpoint
+        self.refused: list[str] = []  # names not taken, and why, for the worker's log
         self.seen: dict[str, Signature] = {}
         self.taken: dict[str, Signature] = {}
         self.versions: dict[str, int] = {}
@@ -325,13 +364,27 @@ class CheckpointWatcher:
         ready.sort()
         found = []
         for _, name, sig in ready:
+            if len(self.taken) >= MAX_CHECKPOINTS:
+                self._refuse(name, sig, f"more than {MAX_CHECKPOINTS} checkpoint files in one attempt")
+                continue
             opened = self._open_as_seen(fd, name, sig)
             if opened is None:
                 continue
             version = self.versions.get(name, -1) + 1
             self.taken[name], self.versions[name] = sig, version
-            found.append(FoundCheckpoint(name=name, file=opened, size=sig[0], version=version))
+            found.append(
+                FoundCheckpoint(name=name, file=Exactly(opened, sig[0]), size=sig[0], version=version)
+            )
         return found
+
+    def take_refusals(self) -> list[str]:
+        found, self.refused = self.refused, []
+        return found
+
+    def _refuse(self, name: str, sig: Signature, why: str) -> None:
+        """Never looked at again in this form (its signature counts as taken)."""
+        self.taken[name] = sig
+        self.refused.append(f"{name!r}: {why}")
 
     def _open_as_seen(self, fd: int, name: str, sig: Signature) -> BinaryIO | None:
         """The file under `name`, only if it is still the very file that was complete: a name
@@ -347,14 +400,59 @@ class CheckpointWatcher:
             fh.close()
             self.seen.pop(name, None)
             return None
+        why = self._not_a_checkpoint(st)
+        if why:
+            fh.close()
+            self._refuse(name, sig, why)
+            return None
         return fh
+
+    def _not_a_checkpoint(self, st: os.stat_result) -> str | None:
+        if self.max_bytes is not None and st.st_size > self.max_bytes:
+            return f"{st.st_size} bytes, more than the node may keep ({self.max_bytes})"
+        if st.st_size > SPARSE_FROM and st.st_blocks * 512 < st.st_size // 2:
+            return "a sparse file (mostly holes): not a checkpoint"
+        return None
 
     def _candidates(self, fd: int) -> list[tuple[str, os.stat_result]]:
         return [
             (e.name, e.st)
             for e in entries(fd)
-            if e.is_file and not e.name.startswith(".") and not e.name.endswith(IGNORED_SUFFIXES)
+            if e.is_file
+            and not e.name.startswith(".")
+            and not e.name.endswith(IGNORED_SUFFIXES)
+            and storable_name(e.name)
         ]
+
+
+def storable_name(name: str) -> bool:
+    """A name the database and every client can hold: UTF-8 (os.scandir gives undecodable bytes
+    as lone surrogates), no control characters, at most 255 bytes."""
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return len(encoded) <= 255 and not any(ord(c) < 32 or ord(c) == 127 for c in name)
+
+
+def checkpoint_meta(event: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    """What a rank said of a checkpoint, as far as it fits its row: whole numbers in range,
+    metrics of finite numbers under storable names (the event is the job's own text)."""
+    event = event or {}
+    meta: dict[str, Any] = {}
+    for key in ("epoch", "step"):
+        value = event.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31:
+            meta[key] = value
+    meta.setdefault("epoch", epoch_from_name(name) if "epoch" not in event else None)
+    metrics = event.get("metrics")
+    if isinstance(metrics, dict):
+        meta["metrics"] = {
+            k: v
+            for k, v in list(metrics.items())[:100]
+            if isinstance(k, str) and storable_name(k) and isinstance(v, int | float) and math.isfinite(v)
+        }
+    return meta
 
 
 EPOCH_IN_NAME = re.compile(r"epoch[-_]?(\d+)", re.IGNORECASE)

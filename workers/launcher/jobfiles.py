@@ -14,17 +14,21 @@ every file the worker reads, hashes or uploads under a job's folders is opened h
   file is refused even where the kernel's `protected_hardlinks` is off);
 - and read from that descriptor, never reopened by name: a swap after the check changes nothing.
 
-Deleting is not here on purpose: the worker removes only folders whose paths it chose and keeps
-in memory (`shutil.rmtree`, which itself never follows a link on Linux).
+Deleting takes no name from the job either: `remove_tree` removes only folders whose paths the
+worker chose and keeps in memory, with coreutils' `rm -rf --one-file-system`, which never follows
+a link and walks any depth (Python 3.11's `shutil.rmtree` recurses, and a job's folder 3000 deep
+made it raise and leave everything behind).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fnmatch
 import os
 import stat
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +39,7 @@ _RESOLVE_NO_XDEV, _RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH
 _RESOLVE = _RESOLVE_NO_XDEV | _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 CHUNK = 1024 * 1024
+REMOVE_TIMEOUT_S = 600
 
 
 class Refused(OSError):
@@ -220,6 +225,23 @@ class JobFolder:
                 yield from self._find(sub, rel + "/", rest)
             finally:
                 os.close(sub)
+
+
+def remove_tree(path: Path) -> None:
+    """A folder of the worker's choosing and all under it, however the job shaped it; nothing
+    through a link, nothing on another filesystem mounted inside."""
+    if not os.path.lexists(path):
+        return
+    # what is left on a failure goes at the worker's next start (agent.remove_stale_runs)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(
+            ["rm", "-rf", "--one-file-system", "--", str(path)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=REMOVE_TIMEOUT_S,
+            check=False,
+        )
 
 
 def chunks(fh: BinaryIO, size: int = CHUNK) -> Iterator[bytes]:

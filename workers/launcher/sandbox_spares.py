@@ -16,7 +16,6 @@ binds only its own job's.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from service.parent_death import dying_with_parent
 from workers.launcher.command import SYSTEM_PATH, LaunchPlan, resume_dir_of
+from workers.launcher.jobfiles import remove_tree
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts, wrap, write_identity
 from workers.launcher.uids import UidPool
 
@@ -115,9 +115,8 @@ class SpareSandboxes:
             except OSError:
                 shutil.copyfile(plan.resume, target)
         os.rename(dirs.resume, resume_dir_of(paths.run_dir))
-        shutil.rmtree(dirs.root, ignore_errors=True)
+        remove_tree(dirs.root)
 
     def discard(self, dirs: SpareDirs) -> None:
-        for folder in (dirs.root, dirs.tmp):
-            with contextlib.suppress(OSError):
-                shutil.rmtree(folder)
+        for folder in (dirs.root, dirs.tmp):  # the spare's uid may have shaped them
+            remove_tree(folder)

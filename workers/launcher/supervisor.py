@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -19,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, BinaryIO
+from typing import Any
 
 from service.jobs.node_reports import (
     END_WRITE_PATIENCE_S,
@@ -30,7 +29,7 @@ from service.jobs.node_reports import (
     NodeOutcome,
 )
 from service.states import JobState, NodeState
-from workers.launcher import stall_report
+from workers.launcher import disk, stall_report
 from workers.launcher.cgroups import NodeGroup
 from workers.launcher.clocks import LOST_PEERS, STALL, TIME_LIMIT, NodeClock
 from workers.launcher.command import (
@@ -46,13 +45,15 @@ from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import TAIL_BYTES, is_retryable, read_error_file, root_cause, tail
 from workers.launcher.ingest import (
     LOG_MAX_BYTES,
+    CheckpointChanged,
     CheckpointWatcher,
     EventsTail,
+    Exactly,
     FoundCheckpoint,
     RankLogs,
-    epoch_from_name,
+    checkpoint_meta,
 )
-from workers.launcher.jobfiles import JobFolder
+from workers.launcher.jobfiles import JobFolder, remove_tree
 from workers.launcher.procs import (
     kill_group,
     kill_under,
@@ -68,6 +69,7 @@ from workers.launcher.warm_pool import WarmAgentPool
 from workers.launcher.workdir import copy_code
 
 log = logging.getLogger("torchjobs.worker")
+DISK_LIMIT = "disk limit"
 POLL_S = 0.25
 CONTROL_EVERY_S = 1.0
 BATCH_EVERY_S = 0.5
@@ -90,7 +92,7 @@ class Hooks:
 
     write_batch: Callable[[Batch], JobControl | None]
     # (the open file, its name, the rank's notice of it, version): read from the descriptor
-    record_checkpoint: Callable[[BinaryIO, str, dict[str, Any] | None, int], object]
+    record_checkpoint: Callable[[Exactly, str, dict[str, Any] | None, int], object]
     job_control: Callable[[], JobControl | None]
     node_event: Callable[[str, dict[str, Any]], object] = field(default=lambda *_: None)
     # when the attempt's other nodes had all ended (None while any runs): a straggler's clock
@@ -114,11 +116,15 @@ class NodeSupervisor:
         nnodes: int = 1,
         group: NodeGroup | None = None,
         log_max_bytes: int = LOG_MAX_BYTES,
+        disk_max_bytes: int | None = None,
     ) -> None:
         self.key, self.plan, self.hooks, self.grace_s, self.shutdown = key, plan, hooks, grace_s, shutdown
         self.clock = NodeClock(limits or NodeLimits())
         self.nnodes = nnodes
         self.group = group  # the node's control groups: its limits, and all of it to kill
+        self.disk_max_bytes = disk_max_bytes  # what the node may keep under its folders
+        self.next_disk_look = 0.0
+        self.disk_tally: disk.Tally | None = None  # the look that found the node past its limit
         self.next_peer_look = 0.0
         # torchrun's agent: a warm one from the worker's pool, or started cold
         self.agents = agents or cold_agents()
@@ -133,7 +139,7 @@ class NodeSupervisor:
             for r in range(nproc)
         ]
         self.events = EventsTail(self.folder, paths.events.name)
-        self.checkpoints = CheckpointWatcher(self.folder, paths.checkpoints.name)
+        self.checkpoints = CheckpointWatcher(self.folder, paths.checkpoints.name, max_bytes=disk_max_bytes)
         self.ckpt_meta: dict[str, dict[str, Any]] = {}
         self.pending = Batch()  # read but not yet stored (its write failed): sent first next time
         self.unrecorded: list[FoundCheckpoint] = []  # complete files not yet recorded, in order
@@ -273,10 +279,24 @@ class NodeSupervisor:
                 self.clock.peers_ended(self.hooks.peers_ended())
             except Exception:  # the database away: the next look asks again
                 log.debug("job %s node %s: could not look at the other nodes", *self._ids(), exc_info=True)
-        return self.clock.verdict()
+        return self.clock.verdict() or self._over_disk(now)
+
+    def _over_disk(self, now: float) -> str | None:
+        if self.disk_max_bytes is None or now < self.next_disk_look:
+            return None
+        self.next_disk_look = now + disk.LOOK_EVERY_S
+        paths = self.plan.paths
+        tally = disk.usage((paths.run_dir, paths.tmp), self.disk_max_bytes)
+        if not tally.over:
+            return None
+        self.disk_tally = tally
+        return DISK_LIMIT
 
     def _rank_pids(self) -> dict[int, int]:
-        return rank_processes(self._pids())
+        """local rank -> pid, only for the node's own local ranks: LOCAL_RANK is what the job's
+        processes say of themselves (a forged 8000 would mean 8000 stack dumps)."""
+        nproc = len(self.rank_logs)
+        return {r: pid for r, pid in rank_processes(self._pids()).items() if 0 <= r < nproc}
 
     def _report_stall(self) -> None:
         """Before anything is killed: every rank's stack into its log, then the events."""
@@ -369,14 +389,18 @@ class NodeSupervisor:
         """The complete files in the order they were written; on a failure that one and the
         ones after it wait for the next look."""
         fresh = self.checkpoints.poll(final=final)
+        for why in self.checkpoints.take_refusals():  # in the job's own log: why it has none
+            self.rank_logs[0].note(f"[torchjobs] checkpoint not taken: {why}")
         if fresh:
             self.clock.heard()
         todo, self.unrecorded = self.unrecorded + fresh, []
         for i, found in enumerate(todo):
-            meta = self.ckpt_meta.get(found.name) or {"epoch": epoch_from_name(found.name)}
+            meta = checkpoint_meta(self.ckpt_meta.get(found.name), found.name)
             try:
                 found.file.seek(0)  # from the start again where an earlier try failed midway
                 self.hooks.record_checkpoint(found.file, found.name, meta, found.version)
+            except CheckpointChanged as exc:  # not the file that was complete: never taken
+                log.warning("job %s: checkpoint %r not stored: %s", self.key.job_id, found.name, exc)
             except Exception:
                 self._storing(fails=True)
                 self.unrecorded = todo[i:]
@@ -418,6 +442,9 @@ class NodeSupervisor:
             )
         if self.stop_reason == "shutdown":
             return NodeOutcome(state=NodeState.LOST, exit_code=rc, error="worker shut down", retryable=True)
+        if self.stop_reason == DISK_LIMIT and self.disk_tally is not None:  # the job's own: not retried
+            error = f"{self.disk_tally.why()} on node {self.key.node_rank}"
+            return NodeOutcome(state=NodeState.FAILED, exit_code=rc, error=error)
         if self.stop_reason == TIME_LIMIT:
             limit = self.clock.limits.max_duration_s
             error = f"time limit: the job ran its max_duration_s of {limit} s; rank 0 was asked to checkpoint"
@@ -475,12 +502,10 @@ class NodeSupervisor:
 def remove_run_dir(paths: NodePaths) -> None:
     """A node's folder, its short TMPDIR and a warm sandbox's /resume folder beside it: each a
     path the worker chose and keeps, never one read from the job's folder (contract §7 v3).
-    `rmtree` does not follow links inside them (`shutil.rmtree.avoids_symlink_attacks`)."""
-    shutil.rmtree(paths.tmp, ignore_errors=True)
+    `remove_tree` follows no link inside them and walks any depth."""
     run_dir = paths.run_dir
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.rmtree(resume_dir_of(run_dir), ignore_errors=True)
-    shutil.rmtree(identity_dir_of(run_dir), ignore_errors=True)
+    for folder in (paths.tmp, run_dir, resume_dir_of(run_dir), identity_dir_of(run_dir)):
+        remove_tree(folder)
     environment_log_of(run_dir).unlink(missing_ok=True)
 
 

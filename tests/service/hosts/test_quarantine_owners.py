@@ -109,10 +109,12 @@ def test_whose_word_each_failure_is() -> None:
     script = Job(entrypoint=SCRIPT, code=None, environment=None)
     with_code = Job(entrypoint=BUILTIN, code="ab" * 32, environment=None)
     with_pip = Job(entrypoint=BUILTIN, code=None, environment={"pip": ["evil==1"]})
+    # GLOO_SOCKET_IFNAME=nosuch fails a builtin job's pre-flight by the user's own choice
+    with_env = Job(entrypoint=BUILTIN, code=None, environment=None, env={"GLOO_SOCKET_IFNAME": "nosuch"})
     for outcome in (SELF_KILLED, STALLED, NCCL_PRINTED):
         assert host_verdict(outcome, builtin) is HostVerdict.JOB_FAILED_HERE
     assert host_verdict(PREFLIGHT, builtin) is HostVerdict.FAILED_HERE
-    for job in (script, with_code, with_pip, None):
+    for job in (script, with_code, with_pip, with_env, None):
         assert host_verdict(PREFLIGHT, job) is HostVerdict.JOB_FAILED_HERE
 
 

@@ -179,3 +179,86 @@ def test_cleanup_never_follows_a_link_the_job_left(run: Path, tmp_path: Path) ->
     remove_run_dir(paths)
     assert (canary / "keep").read_text() == "still here"
     assert not run.exists() and not paths.tmp.exists()
+
+
+def test_an_events_line_longer_than_any_event_is_dropped_not_held(run: Path) -> None:
+    """A sparse terabyte with no newline would be held, and copied at each look, for ever."""
+    from workers.launcher.ingest import MAX_EVENT_LINE
+
+    events = run / "events.jsonl"
+    events.write_bytes(b'{"a": 1}\n' + b"x" * (MAX_EVENT_LINE + 10))
+    tail = EventsTail(JobFolder(run), "events.jsonl")
+    got = []
+    while batch := tail.read_new() or tail.tail.size() > tail.tail.offset:
+        got += batch if isinstance(batch, list) else []
+    assert got == [{"a": 1}] and tail.buffer == b""
+    with open(events, "ab") as fh:
+        fh.write(b'still the long line"}\n{"b": 2}\n')
+    assert tail.read_new() == [{"b": 2}]
+
+
+def test_cleanup_removes_a_tree_of_any_depth(run: Path, tmp_path: Path) -> None:
+    """Python 3.11's rmtree recurses: 3000 folders deep made it raise and keep everything."""
+    (run / "home").mkdir()
+    fd = os.open(run / "home", os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(3000):  # as a rank would: one level at a time (os.makedirs recurses too)
+        os.mkdir("d", dir_fd=fd)
+        nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    os.close(fd)
+    paths = NodePaths(run_dir=run, tmp_root=tmp_path / "tmproot")
+    remove_run_dir(paths)
+    assert not run.exists()
+
+
+def test_a_checkpoint_is_read_no_further_than_it_was_complete(run: Path) -> None:
+    ckpts = run / "checkpoints"
+    (ckpts / "epoch-1.pt").write_bytes(b"w" * 100)
+    watcher = CheckpointWatcher(JobFolder(run))
+    watcher.poll()
+    (found,) = watcher.poll()
+    with open(ckpts / "epoch-1.pt", "ab") as fh:  # grown while stored: the rest is not read
+        fh.write(b"more" * 1000)
+    assert b"".join(iter(lambda: found.file.read(64), b"")) == b"w" * 100
+
+
+def test_a_checkpoint_that_shrinks_while_stored_is_not_taken(run: Path) -> None:
+    from workers.launcher.ingest import CheckpointChanged
+
+    ckpts = run / "checkpoints"
+    (ckpts / "epoch-1.pt").write_bytes(b"w" * 100)
+    watcher = CheckpointWatcher(JobFolder(run))
+    watcher.poll()
+    (found,) = watcher.poll()
+    os.truncate(ckpts / "epoch-1.pt", 10)
+    with pytest.raises(CheckpointChanged):
+        while found.file.read(64):
+            pass
+
+
+def test_sparse_oversized_and_unnamable_files_are_no_checkpoints(run: Path) -> None:
+    ckpts = run / "checkpoints"
+    with open(ckpts / "sparse.pt", "wb") as fh:
+        fh.truncate(1 << 40)  # a terabyte of holes: nothing on disk, forever to upload
+    (ckpts / "big.pt").write_bytes(b"x" * 5000)
+    (ckpts / os.fsdecode(b"bad\xff.pt")).write_bytes(b"x")
+    (ckpts / "ok.pt").write_bytes(b"x")
+    watcher = CheckpointWatcher(JobFolder(run), max_bytes=4096)
+    watcher.poll()
+    assert [f.name for f in watcher.poll()] == ["ok.pt"]
+    refused = " ".join(watcher.take_refusals())
+    assert "sparse.pt" in refused and "big.pt" in refused
+    assert watcher.poll(final=True) == [] and watcher.take_refusals() == []  # said once
+
+
+def test_what_a_rank_says_of_a_checkpoint_is_kept_only_as_far_as_it_fits() -> None:
+    from workers.launcher.ingest import checkpoint_meta
+
+    meta = checkpoint_meta(
+        {"epoch": 10**20, "step": -1, "metrics": {"loss": 0.5, "bad\x00": 1, "nan": float("nan"), "s": "x"}},
+        "epoch-3.pt",
+    )
+    assert meta == {"epoch": None, "metrics": {"loss": 0.5}}
+    assert checkpoint_meta(None, "epoch-3.pt") == {"epoch": 3}
+    assert checkpoint_meta({"epoch": 2, "step": 40}, "last.pt") == {"epoch": 2, "step": 40}
