@@ -131,11 +131,13 @@ class NodeGroup:
                     (folder / "cgroup.procs").write_text(str(pid))
 
     def pids(self) -> list[int]:
+        """The live processes in the groups (a zombie stays listed until its parent reaps it,
+        and is nothing to kill: the agent's bwrap, killed and not yet waited for, is one)."""
         found: set[int] = set()
         for folder in self.folders:
             with contextlib.suppress(OSError):
                 found.update(int(p) for p in (folder / "cgroup.procs").read_text().split())
-        return sorted(found)
+        return sorted(pid for pid in found if not _dead(pid))
 
     def passed(self) -> str | None:
         """The limit the node ran into, as the job's `error` names it; None for neither."""
@@ -177,6 +179,14 @@ class NodeGroup:
         for folder in self.folders:
             with contextlib.suppress(OSError):
                 folder.rmdir()
+
+
+def _dead(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in (b"Z", b"X")
 
 
 def host_memory() -> int:

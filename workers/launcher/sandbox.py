@@ -66,7 +66,9 @@ ETC_FILES = (
 # 30 minutes) cannot outlive its worker. It reaps orphans meanwhile, as an init does. `-S -I`:
 # no site, no PYTHON* variables; it costs one bare interpreter start (about 15 ms).
 ORPHAN_GRACE_S = 30
+INIT_MARKER = "# torchjobs sandbox init"  # in its command line: not the agent it starts
 ENTRY = (
+    f"{INIT_MARKER}\n"
     "import ctypes, json, os, signal, sys\n"
     "libc = ctypes.CDLL(None, use_errno=True)\n"
     "libc.prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG

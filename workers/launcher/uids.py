@@ -43,13 +43,13 @@ def parse(text: str) -> UidRange | None:
 
 
 class UidPool:
-    def __init__(self, uids: UidRange, state: Path = STATE) -> None:
-        self.uids, self.state = uids, state
+    def __init__(self, uids: UidRange, counter: Path = STATE) -> None:
+        self.uids, self.counter = uids, counter
 
     def take(self) -> int:
         """The next uid no process holds, for one node (or spare) only."""
-        self.state.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(self.state, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.counter.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.counter, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "r+") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             text = fh.read().strip()
