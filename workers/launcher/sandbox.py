@@ -57,15 +57,10 @@ ETC_FILES = (
     "protocols", "mime.types", "machine-id",
 )  # fmt: skip
 
-# The sandbox's first program, and its PID 1 for good: SIGTERM when bwrap's outer process goes
-# (the worker died, or stopped the node), the system-call filter (seccomp.py, given as hex;
-# after no_new_privs, for good), then torchrun as its child, with the environment from the
-# file. A SIGTERM (the worker gone, a cancel, a time limit) goes on to torchrun, so the ranks
-# checkpoint; ORPHAN_GRACE_S later PID 1 exits whatever is left, and the kernel kills every
-# process of the namespace with it: a rank stuck in a collective with a lost node (gloo waits
-# 30 minutes) cannot outlive its worker. It reaps orphans meanwhile, as an init does. `-S -I`:
-# no site, no PYTHON* variables; it costs one bare interpreter start (about 15 ms).
-ORPHAN_GRACE_S = 30
+# The sandbox's first program: SIGTERM when bwrap's outer process goes (the worker died, or
+# stopped the node), the system-call filter (seccomp.py, given as hex; after no_new_privs, for
+# good), then torchrun with the environment from the file. `-S -I`: no site, no PYTHON*
+# variables; it costs one bare interpreter start (about 15 ms).
 INIT_MARKER = "# torchjobs sandbox init"  # in its command line: not the agent it starts
 ENTRY = (
     f"{INIT_MARKER}\n"
@@ -81,20 +76,7 @@ ENTRY = (
     "    if nnp or libc.prctl(22, ul(2), ctypes.byref(fprog), ul(0), ul(0)):\n"  # SECCOMP_MODE_FILTER
     "        sys.exit('torchjobs sandbox: seccomp filter refused: ' + os.strerror(ctypes.get_errno()))\n"
     "with open(sys.argv[2]) as fh: env = json.load(fh)\n"
-    "child = os.fork()\n"
-    "if child == 0:\n"
-    "    os.execve(sys.argv[3], sys.argv[3:], env)\n"
-    "def stop(sig, frame):\n"
-    "    try: os.kill(child, signal.SIGTERM)\n"
-    "    except ProcessLookupError: pass\n"
-    "    signal.signal(signal.SIGALRM, lambda *_: os._exit(128 + signal.SIGTERM))\n"
-    f"    signal.alarm({ORPHAN_GRACE_S})\n"
-    "signal.signal(signal.SIGTERM, stop)\n"
-    "while True:\n"
-    "    pid, status = os.wait()\n"
-    "    if pid == child:\n"
-    "        code = os.waitstatus_to_exitcode(status)\n"
-    "        os._exit(code if code >= 0 else 128 - code)\n"
+    "os.execve(sys.argv[3], sys.argv[3:], env)\n"
 )
 
 
