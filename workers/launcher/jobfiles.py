@@ -38,7 +38,6 @@ _SYS_OPENAT2 = 437  # the same number on x86_64 and aarch64 (the generic syscall
 _RESOLVE_NO_XDEV, _RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH = 0x01, 0x02, 0x04, 0x08
 _RESOLVE = _RESOLVE_NO_XDEV | _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH
 _FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-CHUNK = 1024 * 1024
 REMOVE_TIMEOUT_S = 600
 
 
@@ -242,12 +241,3 @@ def remove_tree(path: Path) -> None:
             timeout=REMOVE_TIMEOUT_S,
             check=False,
         )
-
-
-def chunks(fh: BinaryIO, size: int = CHUNK) -> Iterator[bytes]:
-    """A file's bytes from its descriptor, in order, once (hashing and storing share the pass)."""
-    while True:
-        data = fh.read(size)
-        if not data:
-            return
-        yield data

@@ -61,9 +61,7 @@ ETC_FILES = (
 # stopped the node), the system-call filter (seccomp.py, given as hex; after no_new_privs, for
 # good), then torchrun with the environment from the file. `-S -I`: no site, no PYTHON*
 # variables; it costs one bare interpreter start (about 15 ms).
-INIT_MARKER = "# torchjobs sandbox init"  # in its command line: not the agent it starts
 ENTRY = (
-    f"{INIT_MARKER}\n"
     "import ctypes, json, os, signal, sys\n"
     "libc = ctypes.CDLL(None, use_errno=True)\n"
     "libc.prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
