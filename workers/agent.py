@@ -23,11 +23,12 @@ from sqlalchemy.exc import OperationalError
 
 from service.config import Settings
 from service.db import Database, unavailable_reason
-from service.hosts import states as host_states
 from service.models import utcnow
+from service.nodes import hosts
+from service.nodes.wire import queue_for
 from service.storage import Storage
 from workers import context
-from workers.celery_app import make_celery, queue_for
+from workers.celery_app import make_celery
 from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
 from workers.environments import envs_root
@@ -72,7 +73,7 @@ def remove_stale_runs(run_root: Path) -> None:
 
 def register(ctx: WorkerContext) -> None:
     with ctx.db.transaction() as session:
-        host_states.upsert_worker(
+        hosts.upsert_worker(
             session,
             name=ctx.name,
             address=ctx.address,
@@ -132,7 +133,7 @@ class Heartbeat(threading.Thread):
         while not self.stopped.wait(self.ctx.settings.heartbeat_interval_s):
             try:
                 with self.ctx.db.transaction() as session:
-                    if not host_states.heartbeat(session, self.ctx.name, self.ctx.session_id, utcnow()):
+                    if not hosts.heartbeat(session, self.ctx.name, self.ctx.session_id, utcnow()):
                         log.error("worker %s was taken over by another process", self.ctx.name)
             except OperationalError as exc:  # the database away: one line a beat, no traceback
                 log.warning("heartbeat failed (%s); will retry", unavailable_reason(exc))
@@ -233,7 +234,7 @@ def run_worker(
         if ctx.agents is not None:
             ctx.agents.close()
         with db.transaction() as session:
-            host_states.mark_offline(session, name, ctx.session_id)
+            hosts.mark_offline(session, name, ctx.session_id)
         db.dispose()
     if code:
         raise SystemExit(code)

@@ -11,7 +11,7 @@ Here a message is written under a name no queue matches and renamed into place, 
 atomic on one filesystem, so a consumer sees all of it or none. A file that still cannot be
 parsed, or is not shaped like a kombu message (truncated by a crash, a disk that filled up,
 someone's stray file), is dropped with a warning instead of ending the consumer: the
-scheduler sends again every node no worker has claimed (`service.scheduler.loop.undelivered`),
+scheduler sends again every node no worker has claimed (`service.scheduler.placement_pass.undelivered`),
 so nothing is lost with it.
 """
 

@@ -1,15 +1,8 @@
 """The Celery app: it only delivers work. All state lives in the database.
 
-Hour-long tasks and brokers that restart: we acknowledge a message as soon as a worker takes
-it (prefetch of one), and do not depend on late acknowledgement or on the visibility timeout.
-The node row in the database is the truth: a re-delivered or duplicated message finds its
-node already claimed and does nothing, and a message lost before its node was claimed (a
-worker that died on receipt, a broker restart) is sent again by the scheduler
-(`service.scheduler.loop.undelivered`). Late acknowledgement was tried and dropped: with it a
-running node holds an unacked message for hours, and kombu's Redis transport crashed the
-consumer ("Unrecoverable error") while restoring that message after a Redis restart.
-The embedded broker is kombu's filesystem transport (made safe in broker_files.py): a folder
-under TORCHJOBS_HOME, no server.
+What goes over the wire (the task's name and arguments, the queue naming, the broker options
+and why acknowledgement is early) is `service.nodes.wire`; this builds the app from it, with
+the embedded broker's transport (kombu's filesystem transport, made safe in broker_files.py).
 """
 
 from __future__ import annotations
@@ -17,52 +10,16 @@ from __future__ import annotations
 from celery import Celery
 
 from service.config import Settings
+from service.nodes import wire
 from workers import broker_files
-
-RUN_NODE = "torchjobs.run_node"
-EMBEDDED_POLL_S = 0.05
-
-
-def queue_for(worker_name: str) -> str:
-    return f"worker.{worker_name}"
 
 
 def make_celery(settings: Settings) -> Celery:
     broker = settings.resolved_broker_url
-    transport_options: dict[str, object] = {"visibility_timeout": 7 * 24 * 3600}
-    if broker.startswith("filesystem"):
+    if wire.is_embedded(settings):
         broker = broker_files.register()  # kombu's, with atomic writes (see broker_files.py)
-        folder = settings.broker_folder
-        for sub in ("queue", "processed"):
-            (folder / sub).mkdir(parents=True, exist_ok=True)
-        transport_options = {
-            "data_folder_in": str(folder / "queue"),
-            "data_folder_out": str(folder / "queue"),
-            "processed_folder": str(folder / "processed"),
-            "control_folder": str(folder / "control"),
-            "store_processed": False,
-            # kombu looks at the folder once a second by default: up to a second between a
-            # job's placement and its launch. A listdir of a near-empty folder costs microseconds.
-            "polling_interval": EMBEDDED_POLL_S,
-        }
+        for sub in wire.EMBEDDED_FOLDERS:
+            (settings.broker_folder / sub).mkdir(parents=True, exist_ok=True)
     app = Celery("torchjobs", broker=broker)
-    app.conf.update(
-        broker_transport_options=transport_options,
-        broker_connection_retry_on_startup=True,
-        task_acks_late=False,
-        task_reject_on_worker_lost=False,
-        worker_prefetch_multiplier=1,
-        task_ignore_result=True,
-        result_backend=None,
-        task_serializer="json",
-        accept_content=["json"],
-        worker_hijack_root_logger=False,
-        worker_send_task_events=False,
-        broker_heartbeat=0,
-        worker_enable_remote_control=False,  # cancels go through the database, not pidbox
-    )
+    app.conf.update(broker_transport_options=wire.transport_options(settings), **wire.CELERY_CONF)
     return app
-
-
-def send_node(app: Celery, *, job_id: int, attempt: int, node_rank: int, worker: str) -> None:
-    app.send_task(RUN_NODE, args=[job_id, attempt, node_rank], queue=queue_for(worker))

@@ -18,9 +18,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from service.code.archive import UnsafeArchive, unpack_archive
-from service.code.service import limits_of
 from service.config import Settings
+from service.nodes.code import UnsafeArchive, limits_of, unpack_archive
 from service.storage import Storage
 
 MIN_IDLE_S = 3600.0  # a cached folder used this recently is never pruned

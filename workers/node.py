@@ -8,14 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from service.checkpoints.recording import store_rank_checkpoint
-from service.code.service import storage_key
 from service.db import KeptConnection
 from service.errors import InvalidSpec
-from service.jobs import reports
-from service.jobs.lifecycle import Claimed, claim_for_launch, record_end
-from service.jobs.node_reports import Batch, NodeKey, NodeLimits, NodeOutcome
-from service.jobs.validation import resolve_script
+from service.nodes import reports
+from service.nodes.checkpoints import store_rank_checkpoint
+from service.nodes.claims import Claimed, claim_for_launch, record_end
+from service.nodes.code import resolve_script, storage_key
+from service.nodes.values import Batch, NodeKey, NodeLimits, NodeOutcome
 from service.states import NodeState
 from workers.code_cache import CodeUnavailable, unpacked_code
 from workers.context import WorkerContext

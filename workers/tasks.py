@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from celery import Celery
 
+from service.nodes.wire import RUN_NODE
 from workers import context
-from workers.celery_app import RUN_NODE
 from workers.node import run_node
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +21,8 @@ from urllib.parse import quote
 import httpx
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from service.client.download import download_checkpoint
+from service.client.errors import ApiError, read_json
 from service.client.pack import pack_folder
 from service.states import JobState
 
@@ -36,12 +39,6 @@ _retry_connect = retry(
     wait=wait_exponential(multiplier=0.2, max=3),
     reraise=True,
 )
-
-
-class ApiError(Exception):
-    def __init__(self, status_code: int, detail: Any) -> None:
-        super().__init__(f"{status_code}: {detail}")
-        self.status_code, self.detail = status_code, detail
 
 
 class Client:
@@ -69,7 +66,7 @@ class Client:
 
     @_retry_connect
     def _get(self, path: str, **params: Any) -> Any:
-        return _json(self.http.get(path, params={k: v for k, v in params.items() if v is not None}))
+        return read_json(self.http.get(path, params={k: v for k, v in params.items() if v is not None}))
 
     def submit(self, spec: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
         key = idempotency_key or uuid.uuid4().hex
@@ -77,7 +74,7 @@ class Client:
 
     @_retry_connect
     def _submit(self, spec: dict[str, Any], key: str) -> dict[str, Any]:
-        return _json(self.http.post("/v1/jobs", json=spec, headers={"Idempotency-Key": key}))
+        return read_json(self.http.post("/v1/jobs", json=spec, headers={"Idempotency-Key": key}))
 
     def get(self, job_id: int) -> dict[str, Any]:
         return self._get(f"/v1/jobs/{job_id}")
@@ -94,19 +91,19 @@ class Client:
 
     def upload_code(self, data: bytes, name: str) -> dict[str, Any]:
         headers = {"Content-Type": "application/gzip"}
-        return _json(self.http.post("/v1/code", params={"name": name}, content=data, headers=headers))
+        return read_json(self.http.post("/v1/code", params={"name": name}, content=data, headers=headers))
 
     def get_code(self, code_id: str) -> dict[str, Any]:
         return self._get(f"/v1/code/{code_id}")
 
     def add_webhook(self, body: dict[str, Any]) -> dict[str, Any]:
-        return _json(self.http.post("/v1/webhooks", json=body))
+        return read_json(self.http.post("/v1/webhooks", json=body))
 
     def list_webhooks(self) -> builtins.list[dict[str, Any]]:
         return self._get("/v1/webhooks")["items"]
 
     def delete_webhook(self, webhook_id: int) -> None:
-        _json(self.http.delete(f"/v1/webhooks/{webhook_id}"))
+        read_json(self.http.delete(f"/v1/webhooks/{webhook_id}"))
 
     def webhook_deliveries(self, webhook_id: int, limit: int = 20) -> builtins.list[dict[str, Any]]:
         return self._get(f"/v1/webhooks/{webhook_id}/deliveries", limit=limit)["items"]
@@ -199,7 +196,7 @@ class Client:
                 raise httpx.RemoteProtocolError(f"server answered {resp.status_code}")
             if resp.status_code != 200:
                 resp.read()
-                _json(resp)
+                read_json(resp)
             yield resp
 
     def logs(
@@ -226,25 +223,25 @@ class Client:
             params["attempt"] = attempt
         resp = self.http.get(f"/v1/jobs/{job_id}/logs", params=params)
         if resp.status_code >= 400:
-            _json(resp)
+            read_json(resp)
         return resp
 
     def cancel(self, job_id: int) -> dict[str, Any]:
-        return _json(self.http.post(f"/v1/jobs/{job_id}/cancel"))
+        return read_json(self.http.post(f"/v1/jobs/{job_id}/cancel"))
 
     def users(self) -> builtins.list[dict[str, Any]]:
         return list(self._get("/v1/users")["items"])
 
     def add_user(self, name: str, **limits: Any) -> dict[str, Any]:
-        return dict(_json(self.http.post("/v1/users", json={"name": name, **limits})))
+        return dict(read_json(self.http.post("/v1/users", json={"name": name, **limits})))
 
     def patch_user(self, user_id: int, **fields: Any) -> dict[str, Any]:
-        return dict(_json(self.http.patch(f"/v1/users/{user_id}", json=fields)))
+        return dict(read_json(self.http.patch(f"/v1/users/{user_id}", json=fields)))
 
     def revoke(self, user_id: int) -> None:
         resp = self.http.delete(f"/v1/users/{user_id}/tokens")
         if resp.status_code != 204:
-            _json(resp)
+            read_json(resp)
 
     def usage(self, **params: Any) -> dict[str, Any]:
         return dict(self._get("/v1/usage", **params))
@@ -253,7 +250,7 @@ class Client:
         return list(self._get("/v1/workers")["items"])
 
     def readmit(self, worker: str) -> dict[str, Any]:
-        return dict(_json(self.http.post(f"/v1/workers/{quote(worker, safe='')}/readmit")))
+        return dict(read_json(self.http.post(f"/v1/workers/{quote(worker, safe='')}/readmit")))
 
     def checkpoints(self, job_id: int) -> builtins.list[dict[str, Any]]:
         return self._get(f"/v1/jobs/{job_id}/checkpoints")["items"]
@@ -262,14 +259,12 @@ class Client:
         return self._get(f"/v1/checkpoints/{ckpt_id}")
 
     def upload(self, path: str, name: str | None = None) -> dict[str, Any]:
-        import os
-
         def chunks() -> Iterator[bytes]:
             with open(path, "rb") as fh:
                 while chunk := fh.read(1024 * 1024):
                     yield chunk
 
-        return _json(
+        return read_json(
             self.http.post(
                 "/v1/checkpoints",
                 params={"name": name or os.path.basename(path)},
@@ -283,19 +278,7 @@ class Client:
         )
 
     def download(self, ckpt_id: int, dest: str, progress: Any = None) -> str:
-        from service.client.download import download_checkpoint
-
-        return download_checkpoint(self, ckpt_id, dest, progress)
-
-
-def _json(resp: httpx.Response) -> Any:
-    if resp.status_code >= 400:
-        try:
-            detail = resp.json().get("detail")
-        except (ValueError, AttributeError):
-            detail = resp.text
-        raise ApiError(resp.status_code, detail)
-    return resp.json() if resp.status_code != 204 else None
+        return download_checkpoint(self.http, ckpt_id, self.checkpoint(ckpt_id), dest, progress)
 
 
 @dataclass(frozen=True)

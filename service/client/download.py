@@ -11,12 +11,11 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
-if TYPE_CHECKING:
-    from service.client.api import Client
+from service.client.errors import read_json
 
 CHUNK = 1024 * 1024
 TIMEOUT = httpx.Timeout(30.0, read=300.0)  # a stalled server is a dropped connection: retried
@@ -27,17 +26,23 @@ class ChecksumMismatch(Exception):
 
 
 def download_checkpoint(
-    client: Client, ckpt_id: int, dest: str, progress: Any = None, attempts: int = 5
+    http: httpx.Client,
+    ckpt_id: int,
+    meta: dict[str, Any],
+    dest: str,
+    progress: Any = None,
+    attempts: int = 5,
 ) -> str:
-    meta = client.checkpoint(ckpt_id)
+    """Checkpoint `ckpt_id` (`meta`: its record, with `size_bytes` and `sha256`) into `dest`,
+    through the API's `http` client; returns the verified SHA-256."""
     partial = dest + ".partial"
     resumed = os.path.exists(partial) and os.path.getsize(partial) > 0
-    _fetch_with_retries(client, ckpt_id, partial, meta, progress, attempts)
+    _fetch_with_retries(http, ckpt_id, partial, meta, progress, attempts)
     digest = _sha256(partial)
     if digest != meta["sha256"] and resumed:
         # The bytes kept from before were not this file's: start again from nothing, once.
         os.unlink(partial)
-        _fetch_with_retries(client, ckpt_id, partial, meta, progress, attempts)
+        _fetch_with_retries(http, ckpt_id, partial, meta, progress, attempts)
         digest = _sha256(partial)
     if digest != meta["sha256"]:
         os.unlink(partial)
@@ -47,11 +52,11 @@ def download_checkpoint(
 
 
 def _fetch_with_retries(
-    client: Client, ckpt_id: int, partial: str, meta: dict[str, Any], progress: Any, attempts: int
+    http: httpx.Client, ckpt_id: int, partial: str, meta: dict[str, Any], progress: Any, attempts: int
 ) -> None:
     for attempt in range(attempts):
         try:
-            _fetch(client, ckpt_id, partial, meta, progress)
+            _fetch(http, ckpt_id, partial, meta, progress)
             return
         except httpx.TransportError:
             if attempt == attempts - 1:
@@ -59,7 +64,7 @@ def _fetch_with_retries(
             time.sleep(min(2**attempt * 0.2, 3))
 
 
-def _fetch(client: Client, ckpt_id: int, partial: str, meta: dict[str, Any], progress: Any) -> None:
+def _fetch(http: httpx.Client, ckpt_id: int, partial: str, meta: dict[str, Any], progress: Any) -> None:
     have = os.path.getsize(partial) if os.path.exists(partial) else 0
     total = int(meta["size_bytes"])
     if have > total:
@@ -70,14 +75,10 @@ def _fetch(client: Client, ckpt_id: int, partial: str, meta: dict[str, Any], pro
     if have == total:
         return
     headers = {"Range": f"bytes={have}-", "If-Range": f'"{meta["sha256"]}"'} if have else {}
-    with client.http.stream(
-        "GET", f"/v1/checkpoints/{ckpt_id}/download", headers=headers, timeout=TIMEOUT
-    ) as resp:
+    with http.stream("GET", f"/v1/checkpoints/{ckpt_id}/download", headers=headers, timeout=TIMEOUT) as resp:
         if resp.status_code not in (200, 206):
             resp.read()
-            from service.client.api import _json
-
-            _json(resp)
+            read_json(resp)
         resumed = resp.status_code == 206 and resp.headers.get("Content-Range", "").startswith(
             f"bytes {have}-"
         )

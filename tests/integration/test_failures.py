@@ -197,7 +197,8 @@ def test_api_server_restart_mid_job(stack: Stack) -> None:
 
 def test_same_message_twice_does_not_start_a_second_copy(stack: Stack) -> None:
     from service.config import Settings
-    from workers.celery_app import make_celery, send_node
+    from service.nodes.wire import send_node
+    from workers.celery_app import make_celery
 
     job = stack.submit(long_job(mode="single", gpus_per_node=1))
     wait_event(stack, job["id"], lambda e: e["type"] == "progress")

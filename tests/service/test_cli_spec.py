@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.client.commands import build_spec
+from service.client.spec import build_spec
 from service.jobs.spec import JobSpec
 
 

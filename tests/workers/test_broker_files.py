@@ -42,7 +42,8 @@ def test_an_unreadable_message_is_skipped_for_the_next_one(channel, tmp_path: Pa
 def test_the_embedded_app_uses_this_transport_and_polls_often(tmp_path: Path) -> None:
     """kombu's default is one look a second: up to a second from placement to launch."""
     from service.config import Settings
-    from workers.celery_app import EMBEDDED_POLL_S, make_celery
+    from service.nodes.wire import EMBEDDED_POLL_S
+    from workers.celery_app import make_celery
 
     with make_celery(Settings(home=tmp_path)).connection_for_write() as conn:
         transport = conn.transport

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 
-from service.jobs.node_reports import NodeLimits
+from service.nodes.values import NodeLimits
 
 TIME_LIMIT = "time limit"
 STALL = "stall"

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from service.jobs.node_reports import NodeKey
+from service.nodes.values import NodeKey
 from workers.launcher.ingest import RankLogs
 from workers.launcher.stacks import take_stacks
 

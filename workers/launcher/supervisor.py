@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from service.jobs.node_reports import (
+from service.nodes.values import (
     END_WRITE_PATIENCE_S,
     Batch,
     JobControl,

@@ -14,9 +14,9 @@ import pytest
 from service.config import Settings
 from service.db import Database
 from service.jobs.lifecycle import record_end
-from service.jobs.node_reports import NodeKey, NodeOutcome
 from service.migrate import upgrade
 from service.models import Job
+from service.nodes.values import NodeKey, NodeOutcome
 from service.states import NodeState
 from service.testing.harness import PG_ADMIN_URL
 from tests.factories import make_job, make_node_run, make_user

@@ -16,10 +16,10 @@ from sqlalchemy.exc import OperationalError
 from service.config import Settings
 from service.db import Database, KeptConnection
 from service.jobs.lifecycle import finish_node
-from service.jobs.node_reports import Batch, JobControl, NodeKey, NodeOutcome
 from service.jobs.reports import job_control, peers_ended_at, write_batch
 from service.migrate import upgrade
 from service.models import Job, JobEvent
+from service.nodes.values import Batch, JobControl, NodeKey, NodeOutcome
 from service.states import NodeState
 from service.testing.harness import PG_ADMIN_URL
 from tests.factories import make_job, make_node_run, make_user, set_job_state

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from service.jobs.node_reports import NodeLimits
+from service.nodes.values import NodeLimits
 from workers.launcher.clocks import LOST_PEERS, STALL, TIME_LIMIT, NodeClock
 
 WALL = datetime(2026, 12, 2, 8, 0, tzinfo=UTC)

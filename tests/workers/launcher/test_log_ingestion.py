@@ -7,7 +7,7 @@ import sys
 import threading
 from pathlib import Path
 
-from service.jobs.node_reports import Batch, NodeKey
+from service.nodes.values import Batch, NodeKey
 from workers.launcher.command import LaunchPlan, NodePaths
 from workers.launcher.ingest import MAX_READ, RankLogs
 from workers.launcher.jobfiles import JobFolder

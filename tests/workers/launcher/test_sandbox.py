@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from service.jobs.node_reports import NodeKey
+from service.nodes.values import NodeKey
 from service.testing.harness import free_port
 from workers.launcher import procs, sandbox
 from workers.launcher.command import NodeLaunch, build_launch, resume_dir_of

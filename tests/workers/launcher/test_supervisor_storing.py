@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.jobs.node_reports import Batch, JobControl, NodeKey
+from service.nodes.values import Batch, JobControl, NodeKey
 from workers.launcher.command import LaunchPlan, NodePaths
 from workers.launcher.ingest import EventsTail
 from workers.launcher.jobfiles import JobFolder

@@ -1,8 +1,9 @@
-"""What a running node reports, as plain values: no database import.
+"""The node seam's values: what a running node is given and reports, with no database import.
 
 The supervisor builds these next to torchrun on a worker host (`workers.launcher`, which a
 test imports without SQLAlchemy); the lifecycle (`service.jobs.lifecycle`) and the report
-writer (`service.jobs.reports`) store them.
+writer (`service.jobs.reports`) store them. Importing this module loads only
+`service.states` (and the empty `service.nodes` package), never the rest of the seam.
 """
 
 from __future__ import annotations
