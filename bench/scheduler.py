@@ -7,7 +7,7 @@
    100 online workers with fresh heartbeats and 8 GPU slots each (800 slots), and 1,000 queued
    jobs of mixed sizes (half of them 1 GPU, then ddp on 2, 4 and 8 GPUs, and 2 nodes x 4 GPUs;
    a tenth at a higher priority), more than the slots hold. Measured:
-   * `service.scheduler.loop.place` inside a transaction that is rolled back afterwards, so each
+   * `service.scheduler.placement_pass.place` inside a transaction that is rolled back afterwards, so each
      run decides the same 1,000 jobs from scratch (every job gets a placement or a pending
      reason: 1,000 decisions), including the flush of every row it writes;
    * the floor: the pure placement function `service.scheduler.placement.plan` on the same
@@ -121,7 +121,7 @@ def place_rates(pg_url: str, scratch: Path, args: argparse.Namespace, users: int
     """place() on a fresh database, in a transaction rolled back each run: decisions per second."""
     from service.config import Settings
     from service.db import Database
-    from service.scheduler.loop import place
+    from service.scheduler.placement_pass import place
 
     env = bench_env(scratch, TORCHJOBS_DATABASE_URL=pg_url)
     subprocess.run(harness.torchjobs_cmd("db", "upgrade"), env=env, check=True, capture_output=True, cwd=REPO)
@@ -178,8 +178,8 @@ def placement_bench(pg_url: str, scratch: Path, args: argparse.Namespace) -> tup
     from service.config import Settings
     from service.db import Database
     from service.models import GpuAllocation, Job
-    from service.scheduler.loop import place, placement_inputs, run_pass
     from service.scheduler.placement import plan
+    from service.scheduler.placement_pass import place, placement_inputs, run_pass
     from service.states import JobState
 
     env = bench_env(scratch, TORCHJOBS_DATABASE_URL=pg_url)

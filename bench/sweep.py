@@ -9,7 +9,7 @@ for the CPU), over HTTP from one client:
 1. the floor: N separate `POST /v1/jobs` of one builtin job, one after another, total time;
 2. the service: one `POST /v1/jobs` whose `sweep.grid` has N points (`hyperparameters.lr` x
    `hyperparameters.seed`), time to its `201`; `--runs` sweeps.
-Then, in this process, the product's `service.scheduler.loop.place` on that database, in a
+Then, in this process, the product's `service.scheduler.placement_pass.place` on that database, in a
 transaction rolled back afterwards, with `--hosts` simulated hosts of 8 free slots registered
 inside that same transaction (so the server's own scheduler never sees them): once with the N
 plain jobs queued (the floor), once with one sweep's N children queued instead (`max_parallel`
@@ -54,7 +54,7 @@ def pass_seconds(pg_url: str, home: Path, hosts: int, runs: int) -> list[float]:
     from service.db import Database
     from service.hosts.states import upsert_worker
     from service.models import utcnow
-    from service.scheduler.loop import place
+    from service.scheduler.placement_pass import place
 
     settings = Settings(home=home, database_url=pg_url)
     db = Database(settings)

@@ -35,7 +35,8 @@ from service.jobs.view_cache import ViewCache
 from service.jobs.view_feed import ViewFeed
 from service.metrics.router import install as install_metrics
 from service.metrics.router import router as metrics_router
-from service.scheduler.loop import Dispatch, SchedulerThread
+from service.scheduler.placement_pass import Dispatch
+from service.scheduler.thread import SchedulerThread
 from service.schemas import json_safe
 from service.storage import Storage
 from service.streams.router import router as streams_router
@@ -173,7 +174,8 @@ def _freed_gpu_wakeups(
 
 
 def _celery_dispatcher(settings: Settings) -> Callable[[list[Dispatch]], None]:
-    from workers.celery_app import make_celery, send_node
+    from service.nodes.wire import send_node
+    from workers.celery_app import make_celery
 
     celery = make_celery(settings)
 

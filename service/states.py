@@ -88,8 +88,11 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 }
 
 
+SWEEP = "sweep"  # `Job.kind` of a sweep's parent (contract §10): its moves are SWEEP_TRANSITIONS
+
+
 def job_may_move(current: str, new: str, kind: str = "job") -> bool:
-    table = SWEEP_TRANSITIONS if kind == "sweep" else JOB_TRANSITIONS
+    table = SWEEP_TRANSITIONS if kind == SWEEP else JOB_TRANSITIONS
     return _allowed(table, JobState, current, new)
 
 

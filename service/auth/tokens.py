@@ -13,12 +13,12 @@ import os
 import secrets
 
 from fastapi.security import HTTPAuthorizationCredentials
-from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.errors import Unauthorized
 from service.models import User
+from service.users import repository as users_repo
 
 ADMIN_NAME = "admin"
 MAX_TOKEN_CHARS = 512
@@ -60,21 +60,17 @@ def read_or_create_admin_token(settings: Settings) -> str:
 def ensure_admin(session: Session, settings: Settings) -> None:
     """Make the `admin` user row match the configured admin token (it owns the admin's jobs)."""
     token_hash = hash_token(read_or_create_admin_token(settings))
-    admin = session.execute(select(User).where(User.name == ADMIN_NAME)).scalar_one_or_none()
+    admin = users_repo.by_name(session, ADMIN_NAME)
     if admin is None:
-        session.add(User(name=ADMIN_NAME, token_hash=token_hash, is_admin=True))
+        users_repo.add(session, User(name=ADMIN_NAME, token_hash=token_hash, is_admin=True))
     elif admin.token_hash != token_hash or not admin.is_admin:
         admin.token_hash = token_hash
         admin.is_admin = True
 
 
-# Built once: every authenticated request runs it (see service/jobs/repository.py).
-_USER_BY_TOKEN_HASH = select(User).where(User.token_hash == bindparam("token_hash"))
-
-
 def user_for_token(session: Session, token: str) -> User | None:
     token_hash = hash_token(token)
-    user = session.execute(_USER_BY_TOKEN_HASH, {"token_hash": token_hash}).scalar_one_or_none()
+    user = users_repo.by_token_hash(session, token_hash)
     if user is None or user.token_hash is None or not tokens_match(user.token_hash, token_hash):
         return None
     return user

@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.checkpoints import repository as repo
 from service.db import Database
-from service.jobs.node_reports import NodeKey
+from service.jobs import repository as jobs_repo
 from service.jobs.reports import touch_report
 from service.jobs.states import append_event
-from service.models import Checkpoint, Job
+from service.models import Checkpoint
+from service.nodes.values import NodeKey
 from service.schemas import checkpoint_out
 from service.storage import CHUNK, Storage
 
@@ -59,7 +59,7 @@ def store_rank_checkpoint(
     size, sha = storage.put_stream(iter(lambda: source.read(CHUNK), b""), storage_key)
     meta = meta or {}
     with db.transaction() as session:
-        owner = session.execute(select(Job.owner_id).where(Job.id == key.job_id)).scalar_one_or_none()
+        owner = jobs_repo.owner_of(session, key.job_id)
         if owner is None:
             storage.delete(storage_key)
             return None

@@ -12,12 +12,32 @@ from sqlalchemy.orm import Session
 from service.models import Checkpoint, Job
 
 
-def get(session: Session, ckpt_id: int, owner_id: int | None) -> Checkpoint | None:
-    """`owner_id=None` is the admin's view: every checkpoint."""
+def get(
+    session: Session, ckpt_id: int, owner_id: int | None, *, share_lock: bool = False
+) -> Checkpoint | None:
+    """`owner_id=None` is the admin's view: every checkpoint. `share_lock`: FOR SHARE, so that
+    retention cannot delete it before the caller commits."""
     query = select(Checkpoint).where(Checkpoint.id == ckpt_id)
     if owner_id is not None:
         query = query.where(Checkpoint.owner_id == owner_id)
-    return session.execute(query).scalar_one_or_none()
+    return session.execute(query.with_for_update(read=True) if share_lock else query).scalar_one_or_none()
+
+
+def by_id(session: Session, ckpt_id: int) -> Checkpoint | None:
+    """By primary key: the session's own copy when it holds one already (then no query)."""
+    return session.get(Checkpoint, ckpt_id)
+
+
+def latest_of_job(session: Session, job_id: int, *, share_lock: bool = False) -> Checkpoint | None:
+    """The job's newest checkpoint; `share_lock` as in `get`."""
+    query = select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc()).limit(1)
+    return session.execute(query.with_for_update(read=True) if share_lock else query).scalar_one_or_none()
+
+
+def latest_id_of_job(session: Session, job_id: int) -> int | None:
+    return session.execute(
+        select(Checkpoint.id).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc()).limit(1)
+    ).scalar_one_or_none()
 
 
 def list_for_job(session: Session, job_id: int) -> Sequence[Checkpoint]:

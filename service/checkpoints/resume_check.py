@@ -21,7 +21,8 @@ from sqlalchemy.orm import Session
 from service.checkpoints.upload_check import UploadRefused, UploadTimedOut, check_upload
 from service.config import Settings
 from service.errors import InvalidSpec
-from service.models import Checkpoint, Job
+from service.jobs import repository as jobs_repo
+from service.models import Checkpoint
 from service.storage import Storage
 
 MAX_VERDICTS = 4096
@@ -40,7 +41,7 @@ class ResumeFile:
 
 
 def resume_file(session: Session, ckpt: Checkpoint) -> ResumeFile:
-    source = session.get(Job, ckpt.job_id) if ckpt.job_id is not None else None
+    source = jobs_repo.job_by_id(session, ckpt.job_id) if ckpt.job_id is not None else None
     trusted = ckpt.job_id is None or (source is not None and source.entrypoint.get("kind") == "builtin")
     return ResumeFile(
         id=ckpt.id, name=ckpt.name, sha256=ckpt.sha256, storage_key=ckpt.storage_key, trusted=trusted
@@ -81,7 +82,7 @@ def _validate(storage: Storage, settings: Settings, file: ResumeFile) -> tuple[s
         local = Path(tmp) / "checkpoint.pt"
         try:
             got = storage.download_to(file.storage_key, str(local))
-        except Exception as exc:  # noqa: BLE001 - each storage backend raises its own kinds
+        except Exception as exc:  # each storage backend raises its own kinds
             return f"its stored file could not be read ({exc.__class__.__name__})", False
         if got != file.sha256:
             return "its stored file failed its SHA-256 check", False

@@ -10,6 +10,13 @@ from sqlalchemy.orm import Session
 from service.models import CodeArchive, User
 
 
+def add(session: Session, row: CodeArchive) -> CodeArchive:
+    """Add the row and flush: a duplicate (owner, sha256) raises IntegrityError here."""
+    session.add(row)
+    session.flush()
+    return row
+
+
 def owned(session: Session, owner_id: int, sha256: str) -> CodeArchive | None:
     query = select(CodeArchive).where(CodeArchive.owner_id == owner_id, CodeArchive.sha256 == sha256)
     return session.execute(query).scalar_one_or_none()

@@ -78,8 +78,7 @@ def _read_owned(db: Database, user: User, sha: str) -> CodeOut | None:
 def _record(db: Database, user: User, row: CodeArchive) -> tuple[CodeOut, bool]:
     try:
         with db.transaction() as session:
-            session.add(row)
-            session.flush()
+            repo.add(session, row)
             return code_out(row, user.name), True
     except IntegrityError:  # the same user sent the same bytes twice at once: one row wins
         existing = _read_owned(db, user, row.sha256)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import logging
 from enum import Enum
 
-from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from service.errors import NotFound
+from service.hosts import repository as repo
 from service.models import Job, Worker
 
 log = logging.getLogger("torchjobs.hosts")
@@ -75,13 +75,9 @@ def record_node_end(
     if verdict is HostVerdict.NOTHING:
         return False
     if verdict is HostVerdict.WORKED:
-        session.execute(
-            update(Worker)
-            .where(Worker.name == worker_name, Worker.infra_failures != 0)
-            .values(infra_failures=0, job_failures=0, job_failure_owners=None)
-        )
+        repo.reset_failures(session, worker_name)
         return False
-    worker = session.get(Worker, worker_name, with_for_update=True)
+    worker = repo.lock_worker(session, worker_name)
     if worker is None:
         return False
     _count_failure(worker, verdict, owner)
@@ -131,7 +127,7 @@ def _reason(worker: Worker, detail: str) -> str:
 
 def readmit(session: Session, worker_name: str) -> Worker:
     """The administrator's word that the host is well again: it takes work, its count starts over."""
-    worker = session.get(Worker, worker_name, with_for_update=True)
+    worker = repo.lock_worker(session, worker_name)
     if worker is None:
         raise NotFound(f"worker {worker_name!r}")  # "worker 'x' not found"
     if worker.quarantine_reason is not None:

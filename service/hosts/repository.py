@@ -1,11 +1,12 @@
-"""All SQL about worker hosts and their GPU slots."""
+"""All SQL about worker hosts and their GPU slots, but the writers of `Worker.state`
+(`service.hosts.states`, the gate)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import Row, select, update
 from sqlalchemy.orm import Session
 
 from service.models import GpuAllocation, Job, Worker
@@ -43,3 +44,50 @@ def stale_online(session: Session, before: datetime) -> Sequence[Worker]:
         .scalars()
         .all()
     )
+
+
+def worker(session: Session, name: str) -> Worker | None:
+    """By primary key: the session's own copy when it holds one already (then no query)."""
+    return session.get(Worker, name)
+
+
+def lock_worker(session: Session, name: str) -> Worker | None:
+    """The host's row under a row lock (SQLite: the BEGIN IMMEDIATE lock already serialises)."""
+    return session.get(Worker, name, with_for_update=True)
+
+
+def reset_failures(session: Session, name: str) -> None:
+    """The host's failures in a row start over (written only when there are some)."""
+    session.execute(
+        update(Worker)
+        .where(Worker.name == name, Worker.infra_failures != 0)
+        .values(infra_failures=0, job_failures=0, job_failure_owners=None)
+    )
+
+
+def online_workers(session: Session) -> Sequence[Worker]:
+    return session.execute(select(Worker).where(Worker.state == WorkerState.ONLINE)).scalars().all()
+
+
+def accelerators(session: Session) -> set[str]:
+    """Every kind of accelerator a registered host has."""
+    return set(session.execute(select(Worker.accelerator).distinct()).scalars())
+
+
+def gpu_counts(session: Session) -> Sequence[int]:
+    """Each registered host's number of GPUs."""
+    return session.execute(select(Worker.gpus)).scalars().all()
+
+
+# Three columns of each host, not whole rows: with a thousand hosts the reaper runs every
+# second (bench/scale.py).
+_HOST_SESSIONS = select(Worker.name, Worker.state, Worker.session)
+
+
+def host_sessions(session: Session) -> Sequence[Row[str, str, str]]:
+    """(name, state, session) of every host."""
+    return session.execute(_HOST_SESSIONS).all()
+
+
+def add_allocations(session: Session, rows: Iterable[GpuAllocation]) -> None:
+    session.add_all(rows)

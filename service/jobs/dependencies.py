@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.checkpoints import repository as checkpoints_repo
 from service.errors import InvalidSpec
+from service.jobs import repository as repo
 from service.jobs.spec import JobSpec
 from service.jobs.states import QUEUED, lock_job, transition_job
-from service.models import Checkpoint, Job, JobDependency, User
+from service.models import Job, JobDependency, User
 from service.states import JOB_TERMINAL, JobState
 
 NEVER_SUCCEEDS = frozenset({JobState.FAILED, JobState.CANCELLED, JobState.CANCELLING})
@@ -30,8 +31,7 @@ def check_dependencies(session: Session, spec: JobSpec, user: User) -> None:
     if not spec.depends_on:
         return
     ids = [d.job_id for d in spec.depends_on]
-    query = select(Job.id, Job.state, Job.owner_id).where(Job.id.in_(ids))
-    found = {r.id: r for r in session.execute(query)}
+    found = repo.states_and_owners(session, ids)
     for i, dep in enumerate(spec.depends_on):
         row = found.get(dep.job_id)
         if row is None or row.owner_id != user.id:  # another user's, the admin's own too (contract §10)
@@ -50,8 +50,12 @@ def resumes_from_dependency(spec: JobSpec) -> bool:
 def add_dependencies(session: Session, job: Job, spec: JobSpec) -> None:
     """The job's dependencies; when one already failed or was cancelled, the job fails now, in
     the submit's transaction, as a cancel fails the jobs waiting on it."""
-    session.add_all(
-        JobDependency(job_id=job.id, depends_on_id=d.job_id, condition=d.condition) for d in spec.depends_on
+    repo.add_dependency_rows(
+        session,
+        (
+            JobDependency(job_id=job.id, depends_on_id=d.job_id, condition=d.condition)
+            for d in spec.depends_on
+        ),
     )
     session.flush()
     fail_doomed(session, readiness(session, [job.id]).doomed)
@@ -70,13 +74,7 @@ def readiness(session: Session, queued_ids: list[int]) -> Readiness:
     result = Readiness()
     if not queued_ids:
         return result
-    rows = session.execute(
-        select(JobDependency.job_id, JobDependency.depends_on_id, JobDependency.condition, Job.state)
-        .join(Job, Job.id == JobDependency.depends_on_id)
-        .where(JobDependency.job_id.in_(queued_ids))
-        .order_by(JobDependency.job_id, JobDependency.depends_on_id)
-    ).all()
-    for job_id, other, condition, state in rows:
+    for job_id, other, condition, state in repo.dependencies_of(session, queued_ids):
         if job_id in result.doomed:
             continue
         if condition == "succeeded" and state in NEVER_SUCCEEDS:
@@ -110,12 +108,8 @@ def fail_dependants(session: Session, job_id: int, what: str) -> None:
     todo = [(job_id, what)]
     while todo:
         failed_id, why = todo.pop()
-        dependants = session.execute(
-            select(JobDependency.job_id)
-            .where(JobDependency.depends_on_id == failed_id, JobDependency.condition == "succeeded")
-            .order_by(JobDependency.job_id)  # every writer locks jobs in id order: no deadlock cycle
-        ).scalars()
-        for dependant in list(dependants):
+        # in id order: every writer locks jobs in id order, so no deadlock cycle
+        for dependant in repo.dependants_needing_success(session, failed_id):
             job = lock_job(session, dependant)
             if job is None or job.state != QUEUED:
                 continue
@@ -132,9 +126,7 @@ def take_dependency_checkpoint(session: Session, job: Job) -> str | None:
     other = ref.get("job_id")
     if other is None or job.resume_checkpoint_id is not None or ref.get("checkpoint_id") is not None:
         return None
-    latest = session.execute(
-        select(Checkpoint.id).where(Checkpoint.job_id == other).order_by(Checkpoint.id.desc()).limit(1)
-    ).scalar_one_or_none()
+    latest = checkpoints_repo.latest_id_of_job(session, other)
     if latest is None:
         return f"dependency job {other} left no checkpoint to resume from"
     job.resume_checkpoint_id = latest

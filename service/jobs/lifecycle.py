@@ -8,18 +8,18 @@ report from an attempt that is already over changes nothing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from service.checkpoints import repository as checkpoints_repo
 from service.db import Database
+from service.hosts import repository as hosts_repo
 from service.hosts.health import HostVerdict, failure_verdict, record_node_end
-from service.jobs.node_reports import END_WRITE_PATIENCE_S, NodeKey, NodeLimits, NodeOutcome
+from service.jobs import repository as repo
 from service.jobs.states import (
     ACTIVE,
     CANCELLED,
@@ -34,7 +34,8 @@ from service.jobs.states import (
     transition_job,
     transition_node,
 )
-from service.models import Checkpoint, Job, JobAttempt, NodeRun, Worker, utcnow
+from service.models import Checkpoint, Job, JobAttempt, NodeRun, utcnow
+from service.nodes.values import END_WRITE_PATIENCE_S, NodeKey, NodeLimits, NodeOutcome
 from service.states import NODE_ACTIVE, NodeState
 
 log = logging.getLogger("torchjobs.worker")
@@ -52,18 +53,6 @@ class Claimed:
     limits: NodeLimits = NodeLimits()  # its stall timeout and what is left of its time limit
 
 
-def runs_of(session: Session, job_id: int, attempt: int) -> Sequence[NodeRun]:
-    return (
-        session.execute(
-            select(NodeRun)
-            .where(NodeRun.job_id == job_id, NodeRun.attempt == attempt)
-            .order_by(NodeRun.node_rank)
-        )
-        .scalars()
-        .all()
-    )
-
-
 def claim_node(
     session: Session, job_id: int, attempt: int, node_rank: int, worker_session: str
 ) -> Job | None:
@@ -71,7 +60,7 @@ def claim_node(
     job = lock_job(session, job_id)
     if job is None or job.attempt != attempt:
         return None
-    run = _run(session, job_id, attempt, node_rank)
+    run = repo.node_run(session, job_id, attempt, node_rank)
     if run is None or run.state != NodeState.PENDING:
         return None
     if job.state not in (SCHEDULED, RUNNING):
@@ -87,7 +76,7 @@ def claim_node(
 def finish_node(session: Session, job_id: int, attempt: int, node_rank: int, outcome: NodeOutcome) -> bool:
     """True when this end failed the attempt: the first failure, not a peer's echo of it."""
     job = lock_job(session, job_id)
-    run = _run(session, job_id, attempt, node_rank)
+    run = repo.node_run(session, job_id, attempt, node_rank)
     if job is None or run is None:
         return False
     transition_node(run, outcome.state, exit_code=outcome.exit_code, error=outcome.error)
@@ -107,7 +96,7 @@ def finish_node(session: Session, job_id: int, attempt: int, node_rank: int, out
 def end_attempt(session: Session, job: Job, exit_code: int | None, error: str, retryable: bool) -> None:
     """The attempt failed: retry it from the latest checkpoint when allowed, else fail the job."""
     job.exit_code, job.error = exit_code, error
-    for run in runs_of(session, job.id, job.attempt):
+    for run in repo.runs_of(session, job.id, job.attempt):
         transition_node(run, NodeState.LOST)
     if retryable and job.attempt <= job.max_retries:
         transition_job(session, job, QUEUED, f"retrying after: {_summary(exit_code, error)}")
@@ -119,39 +108,29 @@ def end_attempt(session: Session, job: Job, exit_code: int | None, error: str, r
 
 def cancel_pending_nodes(session: Session, job: Job) -> None:
     """Nodes that never started cannot confirm anything: count them as gone."""
-    for run in runs_of(session, job.id, job.attempt):
+    for run in repo.runs_of(session, job.id, job.attempt):
         if run.state == NodeState.PENDING:
             transition_node(run, NodeState.CANCELLED)
     _finish_cancel_if_quiet(session, job)
 
 
 def _finish_cancel_if_quiet(session: Session, job: Job) -> None:
-    if all(r.state not in NODE_ACTIVE for r in runs_of(session, job.id, job.attempt)):
+    if all(r.state not in NODE_ACTIVE for r in repo.runs_of(session, job.id, job.attempt)):
         transition_job(session, job, CANCELLED, "cancelled by user")
 
 
 def _succeed_if_all_done(session: Session, job: Job) -> None:
-    runs = runs_of(session, job.id, job.attempt)
+    runs = repo.runs_of(session, job.id, job.attempt)
     if runs and all(r.state == NodeState.SUCCEEDED for r in runs):
         job.exit_code, job.error = 0, None
         transition_job(session, job, SUCCEEDED, "all nodes exited 0")
 
 
-def _run(session: Session, job_id: int, attempt: int, node_rank: int) -> NodeRun | None:
-    return session.execute(
-        select(NodeRun).where(
-            NodeRun.job_id == job_id, NodeRun.attempt == attempt, NodeRun.node_rank == node_rank
-        )
-    ).scalar_one_or_none()
-
-
 def _attempt_row(session: Session, job: Job) -> JobAttempt:
-    row = session.execute(
-        select(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt)
-    ).scalar_one_or_none()
+    row = repo.attempt_of(session, job.id, job.attempt)
     if row is None:
         row = JobAttempt(job_id=job.id, attempt=job.attempt, gpus=job.nodes * job.gpus_per_node)
-        session.add(row)
+        repo.add_attempt(session, row)
     return row
 
 
@@ -190,12 +169,10 @@ def claim_for_launch(session: Session, key: NodeKey, worker_session: str) -> Cla
     job = claim_node(session, key.job_id, key.attempt, key.node_rank, worker_session)
     if job is None:
         return None
-    runs = {r.node_rank: r for r in runs_of(session, job.id, key.attempt)}
-    latest = session.execute(
-        select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.id.desc()).limit(1)
-    ).scalar_one_or_none()
+    runs = {r.node_rank: r for r in repo.runs_of(session, job.id, key.attempt)}
+    latest = checkpoints_repo.latest_of_job(session, job.id)
     if latest is None and job.resume_checkpoint_id is not None:
-        latest = session.get(Checkpoint, job.resume_checkpoint_id)
+        latest = checkpoints_repo.by_id(session, job.resume_checkpoint_id)
     fields = dict(
         job_id=job.id,
         attempt=key.attempt,
@@ -221,11 +198,7 @@ def node_limits(session: Session, job: Job) -> NodeLimits:
     """The clocks of contract §8: `max_duration_s` counts every earlier attempt's run time."""
     time_left = None
     if job.max_duration_s is not None:
-        earlier = session.execute(
-            select(JobAttempt.started_at, JobAttempt.finished_at).where(
-                JobAttempt.job_id == job.id, JobAttempt.attempt < job.attempt
-            )
-        ).all()
+        earlier = repo.earlier_attempt_times(session, job.id, job.attempt)
         used = sum((end - start).total_seconds() for start, end in earlier if start and end)
         time_left = max(0.0, job.max_duration_s - used)
     return NodeLimits(
@@ -254,7 +227,7 @@ def record_end(db: Database, key: NodeKey, outcome: NodeOutcome, worker: str | N
     `worker`'s host, in a transaction of its own (`service.hosts.health` says why)."""
     with db.transaction() as session:
         ended_attempt = finish_node(session, key.job_id, key.attempt, key.node_rank, outcome)
-        job = session.get(Job, key.job_id)  # locked by finish_node: whose it is, what it runs
+        job = repo.job_by_id(session, key.job_id)  # locked by finish_node: whose it is, what it runs
         verdict = host_verdict(outcome, job)
         owner = job.owner_id if job is not None else None
     if worker is None:
@@ -273,7 +246,7 @@ def record_end(db: Database, key: NodeKey, outcome: NodeOutcome, worker: str | N
 def tell_quarantined(session: Session, job_id: int, worker: str) -> None:
     """The job whose failure put its host in quarantine says so (contract §8): a `quarantine`
     event naming the host and why; its next attempt goes elsewhere."""
-    row = session.get(Worker, worker)
+    row = hosts_repo.worker(session, worker)
     if row is not None and row.quarantine_reason is not None:
         append_event(session, job_id, "quarantine", {"worker": worker, "reason": row.quarantine_reason})
 

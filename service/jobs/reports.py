@@ -12,14 +12,14 @@ from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from service.db import Database
-from service.jobs.node_reports import Batch, JobControl, NodeKey
+from service.jobs import repository as repo
 from service.jobs.schemas import PROGRESS_FIELDS
 from service.jobs.states import append_attempt_events
-from service.models import Job, LogChunk, NodeRun, utcnow
+from service.models import LogChunk, utcnow
+from service.nodes.values import Batch, JobControl, NodeKey
 from service.states import NODE_ACTIVE
 from service.wakeups.message import mark_logs
 
@@ -44,7 +44,7 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
         return None
     with db.transaction() as session:
         if batch.logs:
-            session.add_all(
+            chunks = (
                 LogChunk(
                     job_id=key.job_id,
                     attempt=key.attempt,
@@ -56,6 +56,7 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
                 for local_rank, offset, data in batch.logs
                 for i in range(0, len(data), MAX_CHUNK)
             )
+            repo.add_log_chunks(session, chunks)
             mark_logs(session, key.job_id)
         progress = [e for e in batch.events if e.get("type", "progress") == "progress"]
         if not progress:
@@ -70,7 +71,7 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
         for data in cleaned:
             latest.update({k: data[k] for k in PROGRESS_FIELDS if k in data})
         if latest != job.progress:
-            session.execute(update(Job).where(Job.id == key.job_id).values(progress=latest))
+            repo.set_progress(session, key.job_id, latest)
         return JobControl(job.state, key.attempt, job.last_report_at)
 
 
@@ -79,17 +80,7 @@ def touch_report(session: Session, key: NodeKey) -> JobControl | None:
     (contract §8). The row is written at most every `REPORT_RESOLUTION_S` (each write wakes
     the job-view feed on PostgreSQL); the job is read back for the supervisor's look."""
     now = utcnow()
-    row = session.execute(
-        update(Job)
-        .where(
-            Job.id == key.job_id,
-            Job.attempt == key.attempt,
-            or_(Job.last_report_at.is_(None), Job.last_report_at < now - REPORT_RESOLUTION),
-        )
-        .values(last_report_at=now)
-        .returning(Job.state, Job.attempt, Job.last_report_at)
-        .execution_options(synchronize_session=False)
-    ).one_or_none()
+    row = repo.touch_last_report(session, key.job_id, key.attempt, now, now - REPORT_RESOLUTION)
     return JobControl(row.state, row.attempt, row.last_report_at) if row else _control(session, key.job_id)
 
 
@@ -105,22 +96,14 @@ def peers_ended_at(db: Database, key: NodeKey) -> datetime | None:
     """When the last of the attempt's other nodes ended, once every one of them has; None
     while any still runs (or the job has one node): a straggler's clock (contract §8)."""
     with db.sessionmaker() as session:
-        rows = session.execute(
-            select(NodeRun.state, NodeRun.finished_at).where(
-                NodeRun.job_id == key.job_id,
-                NodeRun.attempt == key.attempt,
-                NodeRun.node_rank != key.node_rank,
-            )
-        ).all()
+        rows = repo.peer_ends(session, key.job_id, key.attempt, key.node_rank)
     if not rows or any(r.state in NODE_ACTIVE or r.finished_at is None for r in rows):
         return None
     return max(r.finished_at for r in rows)
 
 
 def _control(session: Session, job_id: int) -> JobControl | None:
-    row = session.execute(
-        select(Job.state, Job.attempt, Job.last_report_at).where(Job.id == job_id)
-    ).one_or_none()
+    row = repo.control(session, job_id)
     return JobControl(row.state, row.attempt, row.last_report_at) if row else None
 
 

@@ -1,15 +1,19 @@
-"""All SQL about jobs, their events, attempts and node runs."""
+"""All SQL about jobs, their events, attempts, node runs, dependencies and sweeps, but the
+writers that keep theirs next to a lock or a state gate (`service.jobs.states`,
+`service.scheduler.placement_pass`: ARCHITECTURE.md names them)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Connection, Select, and_, bindparam, func, or_, select
+from sqlalchemy import Connection, Row, Select, and_, bindparam, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from service.models import Checkpoint, Job, JobAttempt, JobEvent, NodeRun, User
-from service.states import JobState
+from service.models import Checkpoint, Job, JobAttempt, JobDependency, JobEvent, LogChunk, NodeRun, User
+from service.states import JOB_ACTIVE, NODE_ACTIVE, SWEEP, JobState, NodeState
 
 # The statements of the job view (GET /v1/jobs/{id}, the busiest route) are built once, with
 # bind parameters: building a select() per request cost more than compiling it (SQLAlchemy
@@ -180,3 +184,284 @@ def progress_events(session: Session, job_id: int) -> Sequence[JobEvent]:
         .scalars()
         .all()
     )
+
+
+# -- one job, as its writers read it -------------------------------------------------------------
+
+
+def job_by_id(session: Session, job_id: int) -> Job | None:
+    """By primary key: the session's own copy when it holds one already (then no query)."""
+    return session.get(Job, job_id)
+
+
+def owner_of(session: Session, job_id: int) -> int | None:
+    return session.execute(select(Job.owner_id).where(Job.id == job_id)).scalar_one_or_none()
+
+
+def visible_job_id(session: Session, job_id: int | None, owner_id: int | None) -> int | None:
+    """The job's id when it exists and is `owner_id`'s (None: any owner's, the admin's view)."""
+    clause = [] if owner_id is None else [Job.owner_id == owner_id]
+    return session.execute(select(Job.id).where(Job.id == job_id, *clause)).scalar_one_or_none()
+
+
+def states_and_owners(session: Session, job_ids: list[int]) -> dict[int, Row[int, str, int]]:
+    """(id, state, owner_id) of each of these jobs that exists."""
+    query = select(Job.id, Job.state, Job.owner_id).where(Job.id.in_(job_ids))
+    return {r.id: r for r in session.execute(query)}
+
+
+def control(session: Session, job_id: int) -> Row[str, int, datetime | None] | None:
+    """(state, attempt, last_report_at): what a node's supervisor looks at."""
+    return session.execute(
+        select(Job.state, Job.attempt, Job.last_report_at).where(Job.id == job_id)
+    ).one_or_none()
+
+
+def set_progress(session: Session, job_id: int, progress: dict[str, Any]) -> None:
+    session.execute(update(Job).where(Job.id == job_id).values(progress=progress))
+
+
+def touch_last_report(
+    session: Session, job_id: int, attempt: int, now: datetime, stale_before: datetime
+) -> Row[str, int, datetime | None] | None:
+    """`last_report_at = now` on the job's `attempt` when it is older than `stale_before` (or
+    unset); (state, attempt, last_report_at) when written, None when not."""
+    return session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.attempt == attempt,
+            or_(Job.last_report_at.is_(None), Job.last_report_at < stale_before),
+        )
+        .values(last_report_at=now)
+        .returning(Job.state, Job.attempt, Job.last_report_at)
+        .execution_options(synchronize_session=False)
+    ).one_or_none()
+
+
+def add_log_chunks(session: Session, chunks: Iterable[LogChunk]) -> None:
+    session.add_all(chunks)
+
+
+# -- attempts and node runs ----------------------------------------------------------------------
+
+
+def attempt_of(session: Session, job_id: int, attempt: int) -> JobAttempt | None:
+    return session.execute(
+        select(JobAttempt).where(JobAttempt.job_id == job_id, JobAttempt.attempt == attempt)
+    ).scalar_one_or_none()
+
+
+def add_attempt(session: Session, row: JobAttempt) -> None:
+    session.add(row)
+
+
+def earlier_attempt_times(
+    session: Session, job_id: int, attempt: int
+) -> Sequence[Row[datetime | None, datetime | None]]:
+    """(started_at, finished_at) of each of the job's attempts before `attempt`."""
+    return session.execute(
+        select(JobAttempt.started_at, JobAttempt.finished_at).where(
+            JobAttempt.job_id == job_id, JobAttempt.attempt < attempt
+        )
+    ).all()
+
+
+def runs_of(session: Session, job_id: int, attempt: int) -> Sequence[NodeRun]:
+    return (
+        session.execute(
+            select(NodeRun)
+            .where(NodeRun.job_id == job_id, NodeRun.attempt == attempt)
+            .order_by(NodeRun.node_rank)
+        )
+        .scalars()
+        .all()
+    )
+
+
+def node_run(session: Session, job_id: int, attempt: int, node_rank: int) -> NodeRun | None:
+    return session.execute(
+        select(NodeRun).where(
+            NodeRun.job_id == job_id, NodeRun.attempt == attempt, NodeRun.node_rank == node_rank
+        )
+    ).scalar_one_or_none()
+
+
+def node_runs_by_ids(session: Session, run_ids: list[int]) -> Sequence[NodeRun]:
+    return session.execute(select(NodeRun).where(NodeRun.id.in_(run_ids))).scalars().all()
+
+
+def add_node_run(session: Session, run: NodeRun) -> None:
+    session.add(run)
+
+
+def peer_ends(
+    session: Session, job_id: int, attempt: int, node_rank: int
+) -> Sequence[Row[str, datetime | None]]:
+    """(state, finished_at) of the attempt's nodes other than `node_rank`."""
+    return session.execute(
+        select(NodeRun.state, NodeRun.finished_at).where(
+            NodeRun.job_id == job_id,
+            NodeRun.attempt == attempt,
+            NodeRun.node_rank != node_rank,
+        )
+    ).all()
+
+
+# -- dependencies --------------------------------------------------------------------------------
+
+
+def add_dependency_rows(session: Session, rows: Iterable[JobDependency]) -> None:
+    session.add_all(rows)
+
+
+def dependencies_of(session: Session, job_ids: list[int]) -> Sequence[Row[int, int, str, str]]:
+    """(job_id, depends_on_id, condition, the state of the job depended on) of every
+    dependency of these jobs."""
+    return session.execute(
+        select(JobDependency.job_id, JobDependency.depends_on_id, JobDependency.condition, Job.state)
+        .join(Job, Job.id == JobDependency.depends_on_id)
+        .where(JobDependency.job_id.in_(job_ids))
+        .order_by(JobDependency.job_id, JobDependency.depends_on_id)
+    ).all()
+
+
+def dependants_needing_success(session: Session, job_id: int) -> list[int]:
+    """The jobs whose dependency on `job_id` has the condition 'succeeded', in id order (every
+    writer locks jobs in id order: no deadlock cycle)."""
+    return list(
+        session.execute(
+            select(JobDependency.job_id)
+            .where(JobDependency.depends_on_id == job_id, JobDependency.condition == "succeeded")
+            .order_by(JobDependency.job_id)
+        ).scalars()
+    )
+
+
+# -- sweeps --------------------------------------------------------------------------------------
+
+_LIVE_SWEEP = (
+    select(Job.id).where(Job.kind == SWEEP, Job.state.in_((JobState.RUNNING, JobState.CANCELLING))).limit(1)
+)
+
+
+def child_ids(session: Session, parent_id: int, exclude: frozenset[JobState] = frozenset()) -> list[int]:
+    query = select(Job.id).where(Job.parent_id == parent_id).order_by(Job.id)
+    if exclude:
+        query = query.where(Job.state.not_in(list(exclude)))
+    return list(session.execute(query).scalars())
+
+
+def state_counts(session: Session, parent_ids: list[int]) -> dict[int, dict[str, int]]:
+    """How many children of each parent are in each state."""
+    rows = session.execute(
+        select(Job.parent_id, Job.state, func.count())
+        .where(Job.parent_id.in_(parent_ids))
+        .group_by(Job.parent_id, Job.state)
+    ).all()
+    counts: dict[int, dict[str, int]] = {}
+    for parent_id, state, n in rows:
+        if parent_id is not None:  # (the query asks for none)
+            counts.setdefault(parent_id, {})[state] = int(n)
+    return counts
+
+
+def any_live_sweep(session: Session) -> bool:
+    """Whether a sweep's parent is running or cancelling."""
+    return session.execute(_LIVE_SWEEP).first() is not None
+
+
+def live_sweeps(session: Session) -> Sequence[Row[int, dict[str, Any] | None]]:
+    """(id, progress) of every sweep parent running or cancelling."""
+    return session.execute(
+        select(Job.id, Job.progress).where(
+            Job.kind == SWEEP, Job.state.in_((JobState.RUNNING, JobState.CANCELLING))
+        )
+    ).all()
+
+
+def unsucceeded_children(session: Session, parent_id: int) -> Sequence[Row[int, str]]:
+    """(id, state) of the parent's children that did not succeed, in id order."""
+    return session.execute(
+        select(Job.id, Job.state)
+        .where(Job.parent_id == parent_id, Job.state != JobState.SUCCEEDED)
+        .order_by(Job.id)
+    ).all()
+
+
+def sweep_specs(session: Session, parent_ids: set[int]) -> Sequence[Row[int, dict[str, Any] | None]]:
+    """(id, sweep) of these parents."""
+    return session.execute(select(Job.id, Job.sweep).where(Job.id.in_(parent_ids))).all()
+
+
+def active_children(session: Session, parent_ids: list[int]) -> Sequence[Row[int | None, int]]:
+    """(parent_id, how many of its children hold or may hold GPUs: active) per parent."""
+    return session.execute(
+        select(Job.parent_id, func.count())
+        .where(Job.parent_id.in_(parent_ids), Job.state.in_(list(JOB_ACTIVE)))
+        .group_by(Job.parent_id)
+    ).all()
+
+
+# -- the scheduler's reads -----------------------------------------------------------------------
+
+# Five columns of each active node, not whole rows: with a thousand hosts the reaper runs every
+# second (bench/scale.py).
+_ACTIVE_RUNS = select(
+    NodeRun.id,
+    NodeRun.worker_name,
+    NodeRun.state,
+    NodeRun.worker_session,
+    NodeRun.created_at,
+    NodeRun.node_rank,
+).where(NodeRun.state.in_(NODE_ACTIVE))
+
+
+def active_runs(session: Session) -> Sequence[Row[int, str, str, str | None, datetime, int]]:
+    """(id, worker_name, state, worker_session, created_at, node_rank) of every active node."""
+    return session.execute(_ACTIVE_RUNS).all()
+
+
+def cancelling_jobs(session: Session) -> Sequence[Job]:
+    """Jobs (not sweep parents: `settle_sweeps` ends those) being cancelled."""
+    query = select(Job).where(Job.state == JobState.CANCELLING, Job.kind != SWEEP)
+    return session.execute(query).scalars().all()
+
+
+def pending_runs_before(session: Session, cutoff: datetime) -> Sequence[NodeRun]:
+    """Nodes placed before `cutoff` that no worker has claimed yet."""
+    return (
+        session.execute(
+            select(NodeRun).where(NodeRun.state == NodeState.PENDING, NodeRun.created_at < cutoff)
+        )
+        .scalars()
+        .all()
+    )
+
+
+def any_job_in(session: Session, states: tuple[str, ...]) -> bool:
+    return session.execute(select(Job.id).where(Job.state.in_(states)).limit(1)).first() is not None
+
+
+def any_running_sweep(session: Session) -> bool:
+    live = select(Job.id).where(Job.kind == SWEEP, Job.state == JobState.RUNNING).limit(1)
+    return session.execute(live).first() is not None
+
+
+def any_pending_node(session: Session) -> bool:
+    query = select(NodeRun.id).where(NodeRun.state == NodeState.PENDING).limit(1)
+    return session.execute(query).first() is not None
+
+
+def master_ports(session: Session) -> Sequence[Row[str, int | None]]:
+    """(worker_name, master_port) of the rank-0 node of every active job that has a port."""
+    return session.execute(
+        select(NodeRun.worker_name, Job.master_port)
+        .join(Job, (Job.id == NodeRun.job_id) & (Job.attempt == NodeRun.attempt))
+        .where(Job.state.in_(JOB_ACTIVE), NodeRun.node_rank == 0, Job.master_port.is_not(None))
+    ).all()
+
+
+def set_pending_reasons(session: Session, changed: list[dict[str, Any]]) -> None:
+    """One bulk UPDATE by primary key: `changed` is [{"id": .., "pending_reason": ..}]."""
+    session.execute(update(Job), changed)

@@ -15,6 +15,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service.checkpoints import repository as checkpoints_repo
 from service.config import Settings
 from service.errors import InvalidSpec, NotFound
 from service.jobs import repository as repo
@@ -48,7 +49,7 @@ from service.jobs.sweeps import (
     validate_children,
 )
 from service.jobs.validation import validate_in_context
-from service.models import Checkpoint, Job, User, utcnow
+from service.models import Job, User, utcnow
 from service.schemas import MAX_ID, checkpoint_out
 from service.states import JobState
 from service.storage import Storage
@@ -150,7 +151,7 @@ def new_job(
 
 def _progress_from(session: Session, checkpoint_id: int | None) -> dict[str, Any] | None:
     """A job resuming after epoch 2 reports epoch 2 from the start, not nothing."""
-    ckpt = session.get(Checkpoint, checkpoint_id) if checkpoint_id else None
+    ckpt = checkpoints_repo.by_id(session, checkpoint_id) if checkpoint_id else None
     if ckpt is None or ckpt.epoch is None:
         return None
     return {"epoch": ckpt.epoch, "step": ckpt.step}

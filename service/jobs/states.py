@@ -17,7 +17,8 @@ from sqlalchemy import Row, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from service.errors import Conflict
-from service.models import GpuAllocation, Job, JobAttempt, JobEvent, NodeRun, utcnow
+from service.jobs import repository as repo
+from service.models import GpuAllocation, Job, JobEvent, NodeRun, utcnow
 from service.states import (
     JOB_ACTIVE,
     JOB_TERMINAL,
@@ -172,9 +173,7 @@ def free_gpus(session: Session, job_id: int) -> None:
 
 
 def _close_attempt(session: Session, job: Job, reason: str | None) -> None:
-    attempt = session.execute(
-        select(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.attempt == job.attempt)
-    ).scalar_one_or_none()
+    attempt = repo.attempt_of(session, job.id, job.attempt)
     if attempt is not None and attempt.finished_at is None:
         attempt.finished_at = utcnow()
         attempt.exit_code = job.exit_code

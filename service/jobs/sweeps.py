@@ -21,19 +21,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidSpec
+from service.jobs import repository as repo
 from service.jobs.dependencies import add_dependencies, fail_dependants
 from service.jobs.spec import JobSpec
 from service.jobs.states import append_event, create_job, lock_job, transition_job
 from service.models import Job
 from service.scheduler.placement import SweepLimit
 from service.schemas import json_safe
-from service.states import JOB_ACTIVE, JOB_TERMINAL, JobState
+from service.states import JOB_TERMINAL, SWEEP, JobState
 
-SWEEP = "sweep"
 # What `validate_in_context` reads of a spec: children equal in these are checked once.
 CONTEXT_FIELDS = (
     "mode",
@@ -155,7 +154,7 @@ def cancel_sweep(session: Session, parent: Job) -> None:
     """The parent (locked by the caller) to `cancelling`, every child that has not ended with
     it, and the parent to `cancelled` at once when no child is left running."""
     transition_job(session, parent, JobState.CANCELLING, "cancelled by user")
-    for child_id in child_ids(session, parent.id, exclude=JOB_TERMINAL):
+    for child_id in repo.child_ids(session, parent.id, exclude=JOB_TERMINAL):
         child = lock_job(session, child_id)
         if child is None or child.state in JOB_TERMINAL or child.state == JobState.CANCELLING:
             continue
@@ -167,37 +166,13 @@ def cancel_sweep(session: Session, parent: Job) -> None:
     settle(session, parent)
 
 
-def child_ids(session: Session, parent_id: int, exclude: frozenset[JobState] = frozenset()) -> list[int]:
-    query = select(Job.id).where(Job.parent_id == parent_id).order_by(Job.id)
-    if exclude:
-        query = query.where(Job.state.not_in(list(exclude)))
-    return list(session.execute(query).scalars())
-
-
-def state_counts(session: Session, parent_ids: list[int]) -> dict[int, dict[str, int]]:
-    rows = session.execute(
-        select(Job.parent_id, Job.state, func.count())
-        .where(Job.parent_id.in_(parent_ids))
-        .group_by(Job.parent_id, Job.state)
-    ).all()
-    counts: dict[int, dict[str, int]] = {}
-    for parent_id, state, n in rows:
-        if parent_id is not None:  # (the query asks for none)
-            counts.setdefault(parent_id, {})[state] = int(n)
-    return counts
-
-
 def settle_sweeps(session: Session) -> int:
     """Bring every live parent up to date with its children; returns how many changed. One
     grouped count finds them; only the parents whose counts moved are locked and written."""
-    live = session.execute(
-        select(Job.id, Job.progress).where(
-            Job.kind == SWEEP, Job.state.in_((JobState.RUNNING, JobState.CANCELLING))
-        )
-    ).all()
+    live = repo.live_sweeps(session)
     if not live:
         return 0
-    counts = state_counts(session, [row.id for row in live])
+    counts = repo.state_counts(session, [row.id for row in live])
     changed = 0
     for row in live:
         if (row.progress or {}).get("states") != counts.get(row.id, {}):
@@ -212,7 +187,7 @@ def settle(session: Session, parent: Job) -> bool:
     once every child has ended. False when nothing changed."""
     if parent.state in JOB_TERMINAL:
         return False
-    counts = state_counts(session, [parent.id]).get(parent.id, {})
+    counts = repo.state_counts(session, [parent.id]).get(parent.id, {})
     total = sum(counts.values())
     ended = sum(n for state, n in counts.items() if state in JOB_TERMINAL)
     progress = {"children": total, "ended": ended, "states": counts}
@@ -233,11 +208,7 @@ def settle(session: Session, parent: Job) -> bool:
 
 
 def _failure_summary(session: Session, parent_id: int, total: int) -> str:
-    rows = session.execute(
-        select(Job.id, Job.state)
-        .where(Job.parent_id == parent_id, Job.state != JobState.SUCCEEDED)
-        .order_by(Job.id)
-    ).all()
+    rows = repo.unsucceeded_children(session, parent_id)
     named = ", ".join(f"{r.id} {r.state}" for r in rows[:10]) + (", ..." if len(rows) > 10 else "")
     return f"{len(rows)} of {total} children did not succeed: jobs {named}"
 
@@ -247,17 +218,12 @@ def sweep_limits(session: Session, parent_ids: set[int]) -> dict[int, SweepLimit
     hold GPUs now (read in the scheduling pass's transaction)."""
     if not parent_ids:
         return {}
-    rows = session.execute(select(Job.id, Job.sweep).where(Job.id.in_(parent_ids)))
+    rows = repo.sweep_specs(session, parent_ids)
     limits = {
         row.id: SweepLimit(limit=int(most)) for row in rows if (most := (row.sweep or {}).get("max_parallel"))
     }
     if limits:
-        active = session.execute(
-            select(Job.parent_id, func.count())
-            .where(Job.parent_id.in_(list(limits)), Job.state.in_(list(JOB_ACTIVE)))
-            .group_by(Job.parent_id)
-        ).all()
-        for parent_id, n in active:
+        for parent_id, n in repo.active_children(session, list(limits)):
             if parent_id in limits:
                 limits[parent_id].active = int(n)
     return limits

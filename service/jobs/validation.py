@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service.checkpoints import repository as checkpoints_repo
 from service.checkpoints.resume_check import ResumeFile, check_resumable, resume_file
 from service.code.service import usable_code
 from service.config import Settings
 from service.errors import InvalidSpec
+from service.hosts import repository as hosts_repo
+from service.jobs import repository as repo
 from service.jobs.dependencies import check_dependencies, resumes_from_dependency
 from service.jobs.spec import JobSpec, ScriptEntrypoint
-from service.models import Checkpoint, Job, User, Worker
+from service.models import User
 from service.storage import Storage
 
 
@@ -65,7 +67,7 @@ def check_amp(session: Session, spec: JobSpec) -> None:
     hyper = spec.hyperparameters
     if hyper is None or hyper.amp != "fp16":
         return
-    kinds = set(session.execute(select(Worker.accelerator).distinct()).scalars())
+    kinds = hosts_repo.accelerators(session)
     if kinds and "cuda" not in kinds:
         raise InvalidSpec(
             ("hyperparameters", "amp"), "fp16 needs a CUDA worker and none is registered; use bf16"
@@ -74,7 +76,7 @@ def check_amp(session: Session, spec: JobSpec) -> None:
 
 def check_fits_cluster(session: Session, spec: JobSpec) -> None:
     """Refuse what no registered worker could ever hold; with no worker known yet, let it queue."""
-    sizes = sorted(session.execute(select(Worker.gpus)).scalars().all(), reverse=True)
+    sizes = sorted(hosts_repo.gpu_counts(session), reverse=True)
     if not sizes:
         return
     if sizes[0] < spec.gpus_per_node:
@@ -99,21 +101,16 @@ def resume_target(
     between this check and the caller's commit."""
     if spec.resume_from is None:
         return None
-    owner_clause = [] if user.is_admin else [Checkpoint.owner_id == user.id]
+    owner = None if user.is_admin else user.id
     if spec.resume_from.checkpoint_id is not None:
-        query = select(Checkpoint).where(Checkpoint.id == spec.resume_from.checkpoint_id, *owner_clause)
-        found = session.execute(query.with_for_update(read=True) if lock else query).scalar_one_or_none()
+        found = checkpoints_repo.get(session, spec.resume_from.checkpoint_id, owner, share_lock=lock)
         if found is None:
             raise InvalidSpec(("resume_from", "checkpoint_id"), "no such checkpoint")
         return resume_file(session, found), "checkpoint_id"
-    job_clause = [] if user.is_admin else [Job.owner_id == user.id]
-    job = session.execute(
-        select(Job.id).where(Job.id == spec.resume_from.job_id, *job_clause)
-    ).scalar_one_or_none()
+    job = repo.visible_job_id(session, spec.resume_from.job_id, owner)
     if job is None:
         raise InvalidSpec(("resume_from", "job_id"), "no such job")
-    query = select(Checkpoint).where(Checkpoint.job_id == job).order_by(Checkpoint.id.desc()).limit(1)
-    latest = session.execute(query.with_for_update(read=True) if lock else query).scalar_one_or_none()
+    latest = checkpoints_repo.latest_of_job(session, job, share_lock=lock)
     if latest is None:
         raise InvalidSpec(("resume_from", "job_id"), "that job has no checkpoint yet")
     return resume_file(session, latest), "job_id"

@@ -14,14 +14,12 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-from sqlalchemy import select
 
 from service.db import Database
 from service.hosts import service as hosts_service
 from service.jobs.states import ALL_STATES
 from service.jobs.view_cache import ViewCache
 from service.metrics import repository as repo
-from service.models import User
 from service.states import WorkerState
 from service.usage.accounting import totals_by_owner
 
@@ -53,7 +51,7 @@ class DatabaseCollector(Collector):
             workers = hosts_service.list_workers(session, None).items
             now = self._clock()
             gpu_seconds = totals_by_owner(session, now)
-            names = dict(session.execute(select(User.id, User.name)).all())
+            names = repo.user_names(session)
 
         jobs = GaugeMetricFamily("torchjobs_jobs", "Jobs in each state.", labels=["state"])
         for state in ALL_STATES:

@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, aliased
 
 from service.jobs.states import QUEUED
-from service.models import GpuAllocation, Job, JobAttempt
+from service.models import GpuAllocation, Job, JobAttempt, User
 
 
 def job_counts_by_state(session: Session) -> dict[str, int]:
@@ -45,3 +45,7 @@ def gpus_used_by_worker(session: Session) -> dict[str, int]:
         select(GpuAllocation.worker_name, func.count()).group_by(GpuAllocation.worker_name)
     ).all()
     return {name: int(count) for name, count in rows}
+
+
+def user_names(session: Session) -> dict[int, str]:
+    return dict(session.execute(select(User.id, User.name)).all())

@@ -8,10 +8,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.models import GpuAllocation, Job, JobAttempt, utcnow
+from service.models import JobAttempt, utcnow
+from service.usage import repository as repo
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,14 +47,6 @@ def attempt_gpu_seconds(attempt: JobAttempt, now: datetime | None = None) -> flo
     return held_seconds(attempt.started_at, now or utcnow(), attempt.gpus)
 
 
-def gpus_in_use(session: Session, owner_ids: Iterable[int] | None = None) -> dict[int, int]:
-    """GPUs held right now, by owner (of these owners; all: None): their jobs' allocation rows."""
-    query = select(Job.owner_id, func.count()).join(GpuAllocation, GpuAllocation.job_id == Job.id)
-    if owner_ids is not None:
-        query = query.where(Job.owner_id.in_(list(owner_ids)))
-    return {owner: int(n) for owner, n in session.execute(query.group_by(Job.owner_id)).all()}
-
-
 def holds(
     session: Session,
     owner_ids: Iterable[int] | None = None,
@@ -62,40 +54,18 @@ def holds(
     until: datetime | None = None,
 ) -> Sequence[Held]:
     """Every attempt that held GPUs at some moment of [since, until], of these owners (all: None)."""
-    query = (
-        select(
-            JobAttempt.job_id, Job.owner_id, JobAttempt.gpus, JobAttempt.started_at, JobAttempt.finished_at
-        )
-        .join(Job, Job.id == JobAttempt.job_id)
-        .where(JobAttempt.started_at.is_not(None), JobAttempt.gpus > 0)
-    )
-    if owner_ids is not None:
-        query = query.where(Job.owner_id.in_(list(owner_ids)))
-    if until is not None:
-        query = query.where(JobAttempt.started_at < until)
-    if since is not None:
-        query = query.where((JobAttempt.finished_at.is_(None)) | (JobAttempt.finished_at > since))
     return [
         Held(job_id=r.job_id, owner_id=r.owner_id, gpus=r.gpus, start=r.started_at, end=r.finished_at)
-        for r in session.execute(query)
+        for r in repo.attempts_holding(session, owner_ids, since, until)
     ]
 
 
 def totals_by_owner(session: Session, now: datetime | None = None) -> dict[int, float]:
     """Every owner's GPU-seconds of all time: ended attempts summed in the database, running
     ones counted up to `now` (a Prometheus counter: it only grows)."""
-    ended = session.execute(
-        select(Job.owner_id, func.sum(JobAttempt.gpu_seconds))
-        .join(Job, Job.id == JobAttempt.job_id)
-        .where(JobAttempt.finished_at.is_not(None))
-        .group_by(Job.owner_id)
-    ).all()
+    ended = repo.ended_gpu_seconds_by_owner(session)
     totals = {owner: float(seconds or 0.0) for owner, seconds in ended}
-    running = session.execute(
-        select(Job.owner_id, JobAttempt.gpus, JobAttempt.started_at)
-        .join(Job, Job.id == JobAttempt.job_id)
-        .where(JobAttempt.finished_at.is_(None), JobAttempt.started_at.is_not(None))
-    ).all()
+    running = repo.running_attempts(session)
     at = now or utcnow()
     for owner, gpus, started in running:
         if started is not None:  # (the query asks for none)

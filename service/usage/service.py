@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.errors import Forbidden, InvalidQuery, NotFound
 from service.models import User
 from service.usage.accounting import gpu_seconds, holds
 from service.usage.schemas import UsageList, UsageOut
+from service.users import repository as users_repo
 
 
 def usage(
@@ -40,10 +40,7 @@ def _subjects(session: Session, caller: User, name: str | None) -> list[User]:
         if name is not None and name != caller.name:
             raise Forbidden("a user sees their own usage only")
         return [caller]
-    query = select(User).order_by(User.id)
-    if name is not None:
-        query = query.where(User.name == name)
-    found = list(session.execute(query).scalars())
+    found = list(users_repo.all_users(session, name))
     if name is not None and not found:
         raise NotFound(f"user {name!r}")
     return found

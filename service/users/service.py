@@ -1,18 +1,18 @@
 from __future__ import annotations
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.auth.tokens import hash_token, new_token
 from service.errors import Conflict, NotFound
 from service.models import User
-from service.usage.accounting import gpus_in_use
+from service.usage.repository import gpus_in_use
+from service.users import repository as repo
 from service.users.schemas import UserCreate, UserCreated, UserList, UserOut, UserPatch
 
 
 def create_user(session: Session, body: UserCreate) -> UserCreated:
     name = body.name
-    if session.execute(select(User.id).where(User.name == name)).scalar_one_or_none() is not None:
+    if repo.name_taken(session, name):
         raise Conflict(f"user {name!r} already exists")
     token = new_token()
     user = User(
@@ -22,14 +22,14 @@ def create_user(session: Session, body: UserCreate) -> UserCreated:
         max_priority=body.max_priority,
         gpu_quota=body.gpu_quota,
     )
-    session.add(user)
+    repo.add(session, user)
     session.flush()
     return UserCreated(id=user.id, name=user.name, token=token)
 
 
 def rotate_token(session: Session, user_id: int, issue_new: bool) -> UserCreated | None:
     """Revoke a user's token (refused from the next request on) and optionally issue a new one."""
-    user = session.get(User, user_id)
+    user = repo.get(session, user_id)
     if user is None or user.is_admin:
         raise NotFound("user")
     token = new_token() if issue_new else None
@@ -46,13 +46,13 @@ def user_out(user: User, in_use: dict[int, int]) -> UserOut:
 
 def list_users(session: Session) -> UserList:
     in_use = gpus_in_use(session)
-    users = session.execute(select(User).order_by(User.id)).scalars()
+    users = repo.all_users(session)
     return UserList(items=[user_out(u, in_use) for u in users])
 
 
 def patch_user(session: Session, user_id: int, body: UserPatch) -> UserOut:
     """Changes apply from the scheduler's next pass; jobs already running keep their GPUs."""
-    user = session.get(User, user_id, with_for_update=True)
+    user = repo.lock(session, user_id)
     if user is None:
         raise NotFound("user")
     for field in body.model_fields_set:

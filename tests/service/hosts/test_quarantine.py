@@ -14,10 +14,10 @@ from service.config import Settings
 from service.db import Database
 from service.hosts.health import HostVerdict, record_node_end
 from service.jobs.lifecycle import host_verdict
-from service.jobs.node_reports import NodeOutcome
 from service.migrate import upgrade
 from service.models import Worker
-from service.scheduler.loop import reap
+from service.nodes.values import NodeOutcome
+from service.scheduler.reaper import reap
 from service.states import NodeState
 from tests.factories import make_job, make_node_run, make_user, make_worker
 

@@ -18,10 +18,10 @@ from service.config import Settings
 from service.db import Database
 from service.hosts.health import HostVerdict, readmit
 from service.jobs.lifecycle import host_verdict, record_end
-from service.jobs.node_reports import NodeKey, NodeOutcome
 from service.migrate import upgrade
 from service.models import Job, JobEvent, User, Worker
-from service.scheduler.loop import reap
+from service.nodes.values import NodeKey, NodeOutcome
+from service.scheduler.reaper import reap
 from service.states import NodeState
 from tests.factories import BUILTIN, make_job, make_node_run, make_user, make_worker
 

@@ -13,7 +13,7 @@ from service.app import create_app
 from service.config import Settings
 from service.db import Database
 from service.migrate import upgrade
-from service.scheduler.loop import run_pass
+from service.scheduler.placement_pass import run_pass
 from tests.factories import make_worker, set_job_state
 
 

@@ -358,9 +358,14 @@ def test_this_process_commits_clear_the_cache_only_when_they_wrote(tmp_path: Pat
         session.get(Job, job_id)
         session.execute(text("SELECT 1"))  # (its advisory lock, on PostgreSQL)
     assert cache.view(job_id) is not None
-    with pytest.raises(RuntimeError), db.transaction() as session:
-        set_job_state(session, job_id, "failed")
-        raise RuntimeError("rolled back")
+
+    def failed_then_rolled_back() -> None:
+        with db.transaction() as session:
+            set_job_state(session, job_id, "failed")
+            raise RuntimeError("rolled back")
+
+    with pytest.raises(RuntimeError, match="rolled back"):
+        failed_then_rolled_back()
     assert cache.view(job_id) is not None
     with db.transaction() as session:
         set_job_state(session, job_id, "failed")

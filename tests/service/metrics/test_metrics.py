@@ -25,7 +25,7 @@ from service.jobs.states import ALL_STATES
 from service.metrics import repository as metrics_repo
 from service.metrics.collector import QUEUE_WAIT_BUCKETS, queue_wait_histogram
 from service.models import utcnow
-from service.scheduler.loop import run_pass
+from service.scheduler.placement_pass import run_pass
 from service.testing.harness import ADMIN_TOKEN
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

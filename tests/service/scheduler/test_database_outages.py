@@ -13,8 +13,8 @@ from service.config import Settings
 from service.db import Database
 from service.migrate import upgrade
 from service.models import Worker, utcnow
-from service.scheduler.loop import reap
 from service.scheduler.outages import DatabaseOutages
+from service.scheduler.reaper import reap
 from tests.factories import make_worker
 
 

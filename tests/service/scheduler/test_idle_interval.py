@@ -9,7 +9,7 @@ import pytest
 from service.config import Settings
 from service.db import Database
 from service.migrate import upgrade
-from service.scheduler.loop import has_waiting_work
+from service.scheduler.thread import has_waiting_work
 from tests.factories import make_job, make_node_run, make_user
 
 

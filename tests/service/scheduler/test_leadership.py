@@ -4,7 +4,7 @@ connection that holds the scheduling lock is killed again and again in the middl
 No job is ever placed twice, no slot is held twice, and every job is placed in the end.
 
 Why it holds: the lock is `pg_try_advisory_xact_lock`, taken in the very transaction that
-places (`service.scheduler.loop.run_pass`). PgBouncer keeps one transaction on one server
+places (`service.scheduler.placement_pass.run_pass`). PgBouncer keeps one transaction on one server
 connection, and the lock ends with the transaction: a pass whose connection dies has its
 placements rolled back with its lock, so no second leader can ever act on a stale belief.
 
@@ -31,7 +31,7 @@ from service.db import Database
 from service.jobs.states import lock_job, transition_job
 from service.migrate import upgrade
 from service.models import GpuAllocation, Job, JobEvent, NodeRun, utcnow
-from service.scheduler.loop import ADVISORY_KEY, run_pass
+from service.scheduler.placement_pass import ADVISORY_KEY, run_pass
 from service.states import JobState
 from service.testing import harness
 from tests.factories import make_job, make_user, make_worker
@@ -109,55 +109,12 @@ def test_two_schedulers_never_double_place_while_the_lock_connection_dies(
     stop = threading.Event()
     passes = [0, 0]
     kills: list[int] = []
-
-    def scheduler(index: int) -> None:
-        settings = Settings(
-            home=tmp_path, database_url=pooled_url, database_pooled=True, heartbeat_timeout_s=3600
-        )
-        db = Database(settings)
-        try:
-            while not stop.is_set():
-                run_pass(db, settings, dispatch=lambda _: None)
-                passes[index] += 1
-        finally:
-            db.dispose()
-
-    def finisher() -> None:
-        """Ends placed jobs, so that the queue keeps moving and passes keep placing."""
-        db = Database(Settings(home=tmp_path, database_url=pg_url))
-        try:
-            while not stop.is_set():
-                with db.transaction() as s:
-                    placed = s.execute(
-                        select(Job.id).where(Job.state == JobState.SCHEDULED).limit(20)
-                    ).scalars()
-                    for job_id in list(placed):
-                        job = lock_job(s, job_id)
-                        if job is not None and job.state == JobState.SCHEDULED:
-                            transition_job(s, job, JobState.RUNNING, "test")
-                            transition_job(s, job, JobState.SUCCEEDED, "test")
-                time.sleep(0.05)
-        finally:
-            db.dispose()
-
-    def killer(direct: psycopg.Connection) -> None:
-        """Kills the lock holder's server connection mid-pass, KILLS times, a pass or two apart."""
-        while not stop.is_set() and len(kills) < KILLS:
-            pid = lock_holder(direct)
-            if pid is None:
-                time.sleep(0.005)
-                continue
-            with contextlib.suppress(psycopg.Error):
-                direct.execute("SELECT pg_terminate_backend(%s)", (pid,))
-            kills.append(pid)
-            time.sleep(0.3)
-
     with psycopg.connect(pg_url, autocommit=True) as direct:
         threads = [
-            threading.Thread(target=scheduler, args=(0,)),
-            threading.Thread(target=scheduler, args=(1,)),
-            threading.Thread(target=finisher),
-            threading.Thread(target=killer, args=(direct,)),
+            threading.Thread(target=scheduler, args=(tmp_path, pooled_url, stop, passes, 0)),
+            threading.Thread(target=scheduler, args=(tmp_path, pooled_url, stop, passes, 1)),
+            threading.Thread(target=finisher, args=(tmp_path, pg_url, stop)),
+            threading.Thread(target=killer, args=(direct, stop, kills)),
         ]
         for t in threads:
             t.start()
@@ -189,6 +146,48 @@ def test_two_schedulers_never_double_place_while_the_lock_connection_dies(
             assert ended >= JOBS - HOSTS * SLOTS
     finally:
         db.dispose()
+
+
+def scheduler(home: Path, pooled_url: str, stop: threading.Event, passes: list[int], index: int) -> None:
+    """Scheduler `index`: passes through PgBouncer as fast as it can, counted in `passes`."""
+    settings = Settings(home=home, database_url=pooled_url, database_pooled=True, heartbeat_timeout_s=3600)
+    db = Database(settings)
+    try:
+        while not stop.is_set():
+            run_pass(db, settings, dispatch=lambda _: None)
+            passes[index] += 1
+    finally:
+        db.dispose()
+
+
+def finisher(home: Path, pg_url: str, stop: threading.Event) -> None:
+    """Ends placed jobs, so that the queue keeps moving and passes keep placing."""
+    db = Database(Settings(home=home, database_url=pg_url))
+    try:
+        while not stop.is_set():
+            with db.transaction() as s:
+                placed = s.execute(select(Job.id).where(Job.state == JobState.SCHEDULED).limit(20)).scalars()
+                for job_id in list(placed):
+                    job = lock_job(s, job_id)
+                    if job is not None and job.state == JobState.SCHEDULED:
+                        transition_job(s, job, JobState.RUNNING, "test")
+                        transition_job(s, job, JobState.SUCCEEDED, "test")
+            time.sleep(0.05)
+    finally:
+        db.dispose()
+
+
+def killer(direct: psycopg.Connection, stop: threading.Event, kills: list[int]) -> None:
+    """Kills the lock holder's server connection mid-pass, KILLS times, a pass or two apart."""
+    while not stop.is_set() and len(kills) < KILLS:
+        pid = lock_holder(direct)
+        if pid is None:
+            time.sleep(0.005)
+            continue
+        with contextlib.suppress(psycopg.Error):
+            direct.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        kills.append(pid)
+        time.sleep(0.3)
 
 
 def _queued(pg_url: str) -> int:

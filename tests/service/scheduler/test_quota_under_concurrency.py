@@ -16,7 +16,7 @@ from service.db import Database
 from service.jobs.states import lock_job, transition_job
 from service.migrate import upgrade
 from service.models import GpuAllocation, Job, User
-from service.scheduler.loop import run_pass
+from service.scheduler.placement_pass import run_pass
 from service.states import JobState
 from tests.factories import make_job, make_worker
 

@@ -12,7 +12,8 @@ import pytest
 from service.config import Settings
 from service.db import Database
 from service.migrate import upgrade
-from service.scheduler.loop import Room, SchedulerThread, run_pass
+from service.scheduler.placement_pass import Room, run_pass
+from service.scheduler.thread import SchedulerThread
 from tests.factories import make_job, make_user, make_worker
 
 
