@@ -130,6 +130,9 @@ def python_load(
     """The smoke run's fallback when wrk is missing: 32 keep-alive connections in threads.
     The client's own GIL caps it: good enough to exercise the path, not to measure."""
     parts = urlsplit(url)
+    host = parts.hostname
+    if host is None:
+        raise ValueError(f"no host in {url!r}")
     path = parts.path + (f"?{parts.query}" if parts.query else "")
     headers = {"Content-Type": "application/json"} if body else {}
     if token:
@@ -140,7 +143,7 @@ def python_load(
     deadline = time.monotonic() + seconds
 
     def client() -> None:
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+        conn = http.client.HTTPConnection(host, parts.port, timeout=10)
         mine: list[float] = []
         while time.monotonic() < deadline:
             t0 = time.perf_counter()
@@ -151,7 +154,7 @@ def python_load(
                 ok = resp.status < 400
             except (OSError, http.client.HTTPException):
                 conn.close()
-                conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+                conn = http.client.HTTPConnection(host, parts.port, timeout=10)
                 ok = False
             mine.append(time.perf_counter() - t0)
             if not ok:
@@ -193,7 +196,7 @@ def bulk_insert(pg_url: str, n: int) -> dict[str, int]:
     engine = create_engine(pg_url.replace("postgresql://", "postgresql+psycopg://", 1))
     try:
         with engine.begin() as conn:
-            owner = conn.execute(text("SELECT id FROM users WHERE name = 'admin'")).scalar_one()
+            owner: int = conn.execute(text("SELECT id FROM users WHERE name = 'admin'")).scalar_one()
             conn.execute(text(INSERT_JOBS), {"owner": owner, "n": n})
             conn.execute(text(INSERT_ATTEMPTS))
             conn.execute(text(INSERT_NODES))
@@ -203,8 +206,11 @@ def bulk_insert(pg_url: str, n: int) -> dict[str, int]:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             for table in ("jobs", "job_attempts", "node_runs"):
                 conn.execute(text(f"ANALYZE {table}"))
-            lo, hi, count = conn.execute(text("SELECT min(id), max(id), count(*) FROM jobs")).one()
-            succeeded = conn.execute(
+            lo: int
+            hi: int
+            count: int
+            lo, hi, count = conn.execute(text("SELECT min(id), max(id), count(*) FROM jobs")).tuples().one()
+            succeeded: int = conn.execute(
                 text("SELECT max(id) FROM jobs WHERE state = 'succeeded' AND name LIKE 'bulk-%'")
             ).scalar_one()
             running = succeeded - 1

@@ -48,7 +48,8 @@ BENCH_REDIS_URL = os.environ.get("TORCHJOBS_BENCH_REDIS", f"{harness.REDIS_URL}/
 # ------------------------------------------------------------------------------------------ statistics
 
 
-def summary(values: Sequence[float]) -> dict[str, Any]:
+def summary(values: Sequence[float | None]) -> dict[str, Any]:
+    """Median, min, max and count of the values that are there (None: a run that gave no figure)."""
     vals = [float(v) for v in values if v is not None]
     if not vals:
         return {"median": None, "min": None, "max": None, "n": 0}
@@ -192,13 +193,13 @@ def machine() -> dict[str, Any]:
 
         with psycopg.connect(harness.PG_ADMIN_URL, connect_timeout=5) as conn:
             pg = str(conn.execute("show server_version").fetchone()[0])  # type: ignore[index]
-    except Exception:  # noqa: BLE001 - only a label
+    except Exception:  # only a label
         pg = "not available"
     try:
         import redis
 
         rv = str(redis.Redis.from_url(harness.REDIS_URL, socket_timeout=5).info("server")["redis_version"])
-    except Exception:  # noqa: BLE001 - only a label
+    except Exception:  # only a label
         rv = "not available"
     commit = _version(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
     dirty = subprocess.run(

@@ -33,8 +33,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.testing import harness  # noqa: E402
-from service.testing.harness import auth, script_job  # noqa: E402
+from service.testing import harness
+from service.testing.harness import auth, script_job
 
 STATS_FLUSH_S = 11.0  # PostgreSQL 15 backends publish their counters at least every 10 s
 
@@ -117,19 +117,21 @@ def _pg_counters(pg_url: str) -> tuple[int, ...]:
     import psycopg
 
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        commits, inserted, updated = conn.execute(
+        database = conn.execute(
             "select xact_commit, tup_inserted, tup_updated from pg_stat_database"
             " where datname = current_database()"
         ).fetchone()
-        tables = dict(
+        assert database is not None  # the current database always has its row
+        commits, inserted, updated = database
+        tables: dict[str, int] = dict(
             conn.execute(
                 "select relname, n_tup_ins + n_tup_upd from pg_stat_user_tables"
                 " where relname in ('job_events', 'log_chunks')"
             ).fetchall()
         )
-        (jobs_updated,) = conn.execute(
-            "select n_tup_upd from pg_stat_user_tables where relname = 'jobs'"
-        ).fetchone()
+        jobs = conn.execute("select n_tup_upd from pg_stat_user_tables where relname = 'jobs'").fetchone()
+        assert jobs is not None  # the schema's jobs table
+        (jobs_updated,) = jobs
     return (
         int(commits),
         int(tables.get("job_events", 0)),

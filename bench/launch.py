@@ -262,7 +262,7 @@ def bench_setup(
         for side, fn in sides if i % 2 == 0 else sides[::-1]:
             try:
                 result = fn()
-            except Exception as exc:  # noqa: BLE001 - a failed run is recorded, the others go on
+            except Exception as exc:  # a failed run is recorded, the others go on
                 result = {"error": str(exc)[-1500:]}
             out.setdefault(kind, {}).setdefault(side, []).append(result)
         print(f"  {setup} {kind} run {i + 1}: " + describe(out[kind], -1), file=sys.stderr, flush=True)
@@ -444,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                     results["PostgreSQL + Redis"] = bench_setup("postgres", stack, args, scratch)
 
     figs = [f for setup, data in results.items() for f in figures_for(setup, data)]
-    result = {
+    result: dict[str, Any] = {
         "name": "launch",
         "title": "Launch, whole job and throughput: the service against torchrun by hand",
         "figures": figs,

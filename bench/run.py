@@ -192,7 +192,7 @@ def parse_checkpoint(out: str) -> dict[str, Any]:
         servers.append((m.group(1), float(m.group(2)), float(m.group(3))))
     api = next((s for s in servers if s[0].startswith("torchjobs")), None)
     plain = [s for s in servers if not s[0].startswith("torchjobs")]
-    figs = []
+    figs: list[dict[str, Any]] = []
     label = f"{size.group(1)} MiB" if size else ""
     if api and plain:
         fastest = max(plain, key=lambda s: s[1])
@@ -210,19 +210,21 @@ def parse_checkpoint(out: str) -> dict[str, Any]:
             }
         )
     for what, pattern in (("download", r"during the downloads"), ("upload", r"during the upload[^|]*")):
-        m = re.search(rf"^\|\s*{pattern}\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*([+-]?\d+)\s*\|", out, re.MULTILINE)
-        if m:
+        rss = re.search(
+            rf"^\|\s*{pattern}\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*([+-]?\d+)\s*\|", out, re.MULTILINE
+        )
+        if rss:
             figs.append(
                 {
                     "measure": f"API server RSS growth during the {label} {what}",
                     "setup": "SQLite, file storage",
                     "unit": "MB",
-                    "service": given(float(m.group(3))),
+                    "service": given(float(rss.group(3))),
                     "floor_name": "",
                     "floor": None,
                     "ratio": None,
                     "target": "< 100",
-                    "note": f"{m.group(1)} MB before, {m.group(2)} MB peak",
+                    "note": f"{rss.group(1)} MB before, {rss.group(2)} MB peak",
                 }
             )
     return {
@@ -310,6 +312,30 @@ def run_one(bench: Bench, smoke: bool, logs: Path) -> dict[str, Any]:
     print(f"\n=== {bench.name}: {shown(argv)}", file=sys.stderr, flush=True)
     started = time.monotonic()
     out_path, err_path = logs / f"{bench.name}.out", logs / f"{bench.name}.err"
+    rc = _run_logged(bench.name, argv, timeout, out_path, err_path)
+    seconds = time.monotonic() - started
+    stdout = out_path.read_text(errors="replace")
+    entry: dict[str, Any] = {
+        "name": bench.name,
+        "command": shown(bench.smoke if smoke else bench.full),
+        "seconds": seconds,
+        "date": utc_now(),
+        "status": "ok" if rc == 0 else ("timeout" if rc == "timeout" else f"failed (exit {rc})"),
+        "output": stdout[-6000:],
+    }
+    result = _figures_of(bench, stdout, json_path)
+    if entry["status"] == "ok" and not result["figures"]:
+        result["notes"].append("no figures found in the output (see the output below)")
+    if entry["status"] != "ok":
+        entry["error_tail"] = err_path.read_text(errors="replace")[-3000:]
+    entry.update(result)
+    print(f"=== {bench.name}: {entry['status']} in {seconds:.0f} s", file=sys.stderr, flush=True)
+    return entry
+
+
+def _run_logged(name: str, argv: list[str], timeout: float, out_path: Path, err_path: Path) -> int | str:
+    """Run `argv` with its stdout to `out_path` and its stderr both to `err_path` and, prefixed with
+    `name`, to ours; its exit code, or "timeout" when it (and its process group) had to be stopped."""
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.PIPE, start_new_session=True)
 
@@ -318,7 +344,7 @@ def run_one(bench: Bench, smoke: bool, logs: Path) -> dict[str, Any]:
             for line in proc.stderr:
                 err.write(line)
                 err.flush()
-                sys.stderr.write(f"  [{bench.name}] {line.decode(errors='replace')}")
+                sys.stderr.write(f"  [{name}] {line.decode(errors='replace')}")
                 sys.stderr.flush()
 
         pump = threading.Thread(target=tee, daemon=True)
@@ -337,33 +363,21 @@ def run_one(bench: Bench, smoke: bool, logs: Path) -> dict[str, Any]:
                 proc.wait()
             rc = "timeout"
         pump.join(timeout=10)
-    seconds = time.monotonic() - started
-    stdout = out_path.read_text(errors="replace")
-    entry: dict[str, Any] = {
-        "name": bench.name,
-        "command": shown(bench.smoke if smoke else bench.full),
-        "seconds": seconds,
-        "date": utc_now(),
-        "status": "ok" if rc == 0 else ("timeout" if rc == "timeout" else f"failed (exit {rc})"),
-        "output": stdout[-6000:],
-    }
+    return rc
+
+
+def _figures_of(bench: Bench, stdout: str, json_path: Path) -> dict[str, Any]:
+    """The benchmark's title, figures and notes: parsed from its output, or from the JSON it wrote."""
     try:
         if bench.parse is not None:
-            result = bench.parse(stdout)
-        elif json_path.exists():
-            result = json.loads(json_path.read_text())
+            return bench.parse(stdout)
+        if json_path.exists():
+            result: dict[str, Any] = json.loads(json_path.read_text())
             result.pop("raw", None)
-        else:
-            result = {"title": bench.name, "figures": [], "notes": []}
-    except Exception as exc:  # noqa: BLE001 - a parse problem is reported, never fatal
-        result = {"title": bench.name, "figures": [], "notes": [f"could not read the figures: {exc!r}"]}
-    if entry["status"] == "ok" and not result["figures"]:
-        result["notes"].append("no figures found in the output (see the output below)")
-    if entry["status"] != "ok":
-        entry["error_tail"] = err_path.read_text(errors="replace")[-3000:]
-    entry.update(result)
-    print(f"=== {bench.name}: {entry['status']} in {seconds:.0f} s", file=sys.stderr, flush=True)
-    return entry
+            return result
+        return {"title": bench.name, "figures": [], "notes": []}
+    except Exception as exc:  # a parse problem is reported, never fatal
+        return {"title": bench.name, "figures": [], "notes": [f"could not read the figures: {exc!r}"]}
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -567,9 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.render:
         saved = json.loads(DOC_JSON.read_text())
-        info = saved["run"]
+        saved_run = saved["run"]
         DOC.write_text(
-            place_in_doc(DOC.read_text(), render(saved["benchmarks"], info, info["command"], False))
+            place_in_doc(DOC.read_text(), render(saved["benchmarks"], saved_run, saved_run["command"], False))
         )
         print(f"rewrote {DOC.relative_to(REPO)}")
         return 0

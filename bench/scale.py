@@ -162,8 +162,8 @@ class SimHosts:
         from sqlalchemy import select
 
         from service.jobs.lifecycle import claim_for_launch
-        from service.jobs.node_reports import NodeKey
         from service.models import NodeRun
+        from service.nodes.values import NodeKey
         from service.states import NodeState
 
         while not self.stop.wait(0.25):
@@ -188,8 +188,8 @@ class SimHosts:
         """An output batch per running node every BATCH_EVERY_S; a node's end when its time is up."""
         from service.db import KeptConnection
         from service.jobs.lifecycle import record_end
-        from service.jobs.node_reports import Batch, NodeOutcome
         from service.jobs.reports import write_batch
+        from service.nodes.values import Batch, NodeOutcome
         from service.states import NodeState
 
         conn = KeptConnection(self.db)
@@ -227,63 +227,79 @@ class SimHosts:
 
 
 def clients(url: str, sim: SimHosts, out: Clients, stop: threading.Event) -> list[threading.Thread]:
-    auth = {"Authorization": f"Bearer {harness.ADMIN_TOKEN}"}
-    spec = {
-        "mode": "single",
-        "entrypoint": {"kind": "builtin", "model": "mlp"},
-        "hyperparameters": {"epochs": 1},
-    }
+    load = ClientLoad(url=url, sim=sim, out=out, stop=stop)
+    targets = [load.poller] * 4 + [load.lister, load.submitter] + [load.stream] * STREAMS
+    return [threading.Thread(target=t, daemon=True) for t in targets]
 
-    def timed(c: httpx.Client, sink: list[float], method: str, path: str, **kw: Any) -> None:
+
+@dataclass(frozen=True, kw_only=True)
+class ClientLoad:
+    """What the clients do until `stop`, each in its thread; their timings go to `out`."""
+
+    url: str
+    sim: SimHosts
+    out: Clients
+    stop: threading.Event
+    auth: dict[str, str] = field(default_factory=lambda: {"Authorization": f"Bearer {harness.ADMIN_TOKEN}"})
+    spec: dict[str, Any] = field(
+        default_factory=lambda: {
+            "mode": "single",
+            "entrypoint": {"kind": "builtin", "model": "mlp"},
+            "hyperparameters": {"epochs": 1},
+        }
+    )
+
+    def timed(self, c: httpx.Client, sink: list[float], method: str, path: str, **kw: Any) -> None:
         t0 = time.perf_counter()
         try:
             ok = c.request(method, path, **kw).status_code < 400
         except httpx.HTTPError:
             ok = False
         sink.append(time.perf_counter() - t0)
-        out.failures += 0 if ok else 1
+        self.out.failures += 0 if ok else 1
 
-    def poller() -> None:
-        with httpx.Client(base_url=url, headers=auth, timeout=30) as c:
-            while not stop.wait(0.05):
-                jobs = sim.running_jobs()
+    def poller(self) -> None:
+        with httpx.Client(base_url=self.url, headers=self.auth, timeout=30) as c:
+            while not self.stop.wait(0.05):
+                jobs = self.sim.running_jobs()
                 if jobs:
-                    timed(c, out.get, "GET", f"/v1/jobs/{random.choice(jobs)}")
+                    self.timed(c, self.out.get, "GET", f"/v1/jobs/{random.choice(jobs)}")
 
-    def lister() -> None:
-        with httpx.Client(base_url=url, headers=auth, timeout=30) as c:
-            while not stop.wait(0.5):
-                timed(c, out.list_, "GET", "/v1/jobs", params={"limit": 50})
+    def lister(self) -> None:
+        with httpx.Client(base_url=self.url, headers=self.auth, timeout=30) as c:
+            while not self.stop.wait(0.5):
+                self.timed(c, self.out.list_, "GET", "/v1/jobs", params={"limit": 50})
 
-    def submitter() -> None:
-        with httpx.Client(base_url=url, headers=auth, timeout=30) as c:
-            while not stop.wait(0.5):
-                timed(c, out.post, "POST", "/v1/jobs", json=spec)
+    def submitter(self) -> None:
+        with httpx.Client(base_url=self.url, headers=self.auth, timeout=30) as c:
+            while not self.stop.wait(0.5):
+                self.timed(c, self.out.post, "POST", "/v1/jobs", json=self.spec)
 
-    def stream() -> None:
-        while not stop.is_set():
-            jobs = sim.running_jobs()
+    def stream(self) -> None:
+        while not self.stop.is_set():
+            jobs = self.sim.running_jobs()
             if not jobs:
                 time.sleep(0.2)
                 continue
-            connected = time.time()  # the replayed history is not lag: only what was written since
             try:
-                with (
-                    httpx.Client(base_url=url, headers=auth, timeout=httpx.Timeout(30, read=5)) as c,
-                    c.stream("GET", f"/v1/jobs/{random.choice(jobs)}/events/stream") as resp,
-                ):
-                    for line in resp.iter_lines():
-                        if stop.is_set():
-                            return
-                        if line.startswith("data:"):
-                            data = json.loads(line[5:]).get("data", {})
-                            if data.get("t_write", 0) > connected:
-                                out.lag.append(time.time() - data["t_write"])
+                self._follow(random.choice(jobs))
             except (httpx.HTTPError, ValueError):
                 continue
 
-    targets = [poller] * 4 + [lister, submitter] + [stream] * STREAMS
-    return [threading.Thread(target=t, daemon=True) for t in targets]
+    def _follow(self, job_id: int) -> None:
+        """One job's event stream until it ends or `stop`: the lag of each event written since."""
+        connected = time.time()  # the replayed history is not lag: only what was written since
+        with (
+            httpx.Client(base_url=self.url, headers=self.auth, timeout=httpx.Timeout(30, read=5)) as c,
+            c.stream("GET", f"/v1/jobs/{job_id}/events/stream") as resp,
+        ):
+            for line in resp.iter_lines():
+                if self.stop.is_set():
+                    return
+                if line.startswith("data:"):
+                    data = json.loads(line[5:]).get("data", {})
+                    if data.get("t_write", 0) > connected:
+                        self.out.lag.append(time.time() - data["t_write"])
 
 
 # ------------------------------------------------------------------------------------------ a step

@@ -31,7 +31,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,14 +47,8 @@ def seed_worker(args: argparse.Namespace) -> None:
     """The seed's training loop (README pattern), with this project's model and data."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, DistributedSampler
 
     sys.path.insert(0, str(REPO))
-    from workers.runtime.data import builtin_datasets
-    from workers.runtime.models import build_cnn
-    from workers.runtime.syncbn import convert_distributed_batchnorm
-
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = args.accelerator == "cuda"
@@ -60,8 +58,39 @@ def seed_worker(args: argparse.Namespace) -> None:
     if args.mode == "ddp":
         dist.init_process_group(backend="nccl" if cuda else "gloo", init_method="env://")
     torch.manual_seed(args.seed + rank)
+    loader, sampler = _seed_loader(args, rank, world_size, pin_memory=cuda)
+    net = _seed_model(args, device, local_rank)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=1e-3)
+    if args.compile:  # what the trainer compiles too: the model as it trains, wrapper and all
+        # an nn.Module compiles to an nn.Module (OptimizedModule); the stubs say only "a callable"
+        net = cast(torch.nn.Module, torch.compile(net))
+    scaler = torch.amp.GradScaler("cuda") if args.amp == "fp16" else None
+    per_epoch = []
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        per_epoch.append(_seed_epoch(args, net, optimizer, scaler, loader, device, world_size))
+        if rank == 0:
+            states = {"state_dict": {"net": net.state_dict()}, "optimizer": optimizer.state_dict()}
+            torch.save(states, Path(args.out) / "seed.pt")
+    if rank == 0:
+        (Path(args.out) / "seed.json").write_text(json.dumps(per_epoch))
+    if args.mode == "ddp":
+        del net, optimizer  # the DDP wrapper holds the group: drop it, leave together, then destroy
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _seed_loader(
+    args: argparse.Namespace, rank: int, world_size: int, *, pin_memory: bool
+) -> tuple[DataLoader[Any], DistributedSampler[Any] | None]:
+    """The builtin synthetic training data, each rank its own share of it in DDP."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from workers.runtime.data import builtin_datasets
+
     train_data, _ = builtin_datasets("synthetic", synthetic_size=args.synthetic_size)
-    sampler = None
+    sampler: DistributedSampler[Any] | None = None
     if args.mode == "ddp":
         sampler = DistributedSampler(
             train_data, num_replicas=world_size, rank=rank, shuffle=True, drop_last=True
@@ -73,54 +102,63 @@ def seed_worker(args: argparse.Namespace) -> None:
         sampler=sampler,
         drop_last=True,
         num_workers=args.num_workers,
-        pin_memory=cuda,
+        pin_memory=pin_memory,
         persistent_workers=args.num_workers > 0,
     )
+    return loader, sampler
+
+
+def _seed_model(args: argparse.Namespace, device: torch.device, local_rank: int) -> torch.nn.Module:
+    """The builtin cnn on `device`; in DDP with synchronised BatchNorm, wrapped in DDP."""
+    import torch
+
+    from workers.runtime.models import build_cnn
+    from workers.runtime.syncbn import convert_distributed_batchnorm
+
     net = build_cnn().to(device)
-    if args.mode == "ddp":
-        # The seed converts to native SyncBatchNorm, which refuses CPU modules: on CPU it gets the
-        # same synchronised BatchNorm the trainer uses, so both sides pay the same BN cost.
-        net = (
-            torch.nn.SyncBatchNorm.convert_sync_batchnorm(net) if cuda else convert_distributed_batchnorm(net)
-        )
-        net = torch.nn.parallel.DistributedDataParallel(
-            net.to(device), device_ids=[local_rank] if cuda else None, broadcast_buffers=False
-        )
-    optimizer = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=1e-3)
-    if args.compile:  # what the trainer compiles too: the model as it trains, wrapper and all
-        net = torch.compile(net)
-    scaler = torch.amp.GradScaler("cuda") if args.amp == "fp16" else None
+    if args.mode != "ddp":
+        return net
+    cuda = device.type == "cuda"
+    # The seed converts to native SyncBatchNorm, which refuses CPU modules: on CPU it gets the
+    # same synchronised BatchNorm the trainer uses, so both sides pay the same BN cost.
+    net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net) if cuda else convert_distributed_batchnorm(net)
+    return torch.nn.parallel.DistributedDataParallel(
+        net.to(device), device_ids=[local_rank] if cuda else None, broadcast_buffers=False
+    )
+
+
+def _seed_epoch(
+    args: argparse.Namespace,
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    loader: DataLoader[Any],
+    device: torch.device,
+    world_size: int,
+) -> float:
+    """One epoch of the seed's loop; global samples per second over its training steps."""
+    import torch
+    import torch.nn.functional as F
+
+    cuda = device.type == "cuda"
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    per_epoch = []
-    for epoch in range(args.epochs):
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        steps, t0 = 0, time.perf_counter()
-        for x, y in loader:
-            x, y = x.to(device, non_blocking=cuda), y.to(device, non_blocking=cuda)
-            with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
-                loss = F.cross_entropy(net(x), y)
-            optimizer.zero_grad()
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
-            steps += 1
-        if cuda:
-            torch.cuda.synchronize()
-        per_epoch.append(steps * args.batch_size * world_size / (time.perf_counter() - t0))
-        if rank == 0:
-            states = {"state_dict": {"net": net.state_dict()}, "optimizer": optimizer.state_dict()}
-            torch.save(states, Path(args.out) / "seed.pt")
-    if rank == 0:
-        (Path(args.out) / "seed.json").write_text(json.dumps(per_epoch))
-    if args.mode == "ddp":
-        del net, optimizer  # the DDP wrapper holds the group: drop it, leave together, then destroy
-        dist.barrier()
-        dist.destroy_process_group()
+    steps, t0 = 0, time.perf_counter()
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=cuda), y.to(device, non_blocking=cuda)
+        with torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None):
+            loss = F.cross_entropy(net(x), y)
+        optimizer.zero_grad()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        steps += 1
+    if cuda:
+        torch.cuda.synchronize()
+    return steps * args.batch_size * world_size / (time.perf_counter() - t0)
 
 
 # ------------------------------------------------------------------------------------------ the driver
@@ -227,7 +265,8 @@ def compare(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="trainer-vs-seed-") as tmp:
         for mode in args.modes:
-            trainer, seed = [], []
+            trainer: list[float] = []
+            seed: list[float] = []
             for i in range(args.runs):
                 for side, fn, out in (("trainer", run_trainer, trainer), ("seed", run_seed, seed)):
                     workdir = Path(tmp) / f"{mode}-{side}-{i}"

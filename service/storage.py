@@ -130,7 +130,7 @@ class Storage:
 
     def open(self, key: str) -> IO[bytes]:
         if self.is_local:
-            return open(self.path(key), "rb")  # noqa: SIM115 - the caller closes it
+            return open(self.path(key), "rb")  # the caller closes it
         return self.fs.open(self.path(key), "rb", block_size=REMOTE_BLOCK, cache_type="readahead")
 
     def size(self, key: str) -> int:

@@ -25,36 +25,43 @@ class BodyLimitMiddleware:
         if declared is not None and declared > limit:
             await _reply_413(send, limit)
             return
-        seen = 0
-        state = {"started": False, "rejected": False}
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            if state["rejected"]:
-                return {"type": "http.disconnect"}
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    # Tell the app the client went away, so it stops reading and cleans up;
-                    # anything it still tries to send is dropped, and the 413 goes out once
-                    # it has finished: by the time the client reads it, nothing is left.
-                    state["rejected"] = True
-                    return {"type": "http.disconnect"}
-            return message
-
-        async def guarded_send(message: Message) -> None:
-            if state["rejected"]:
-                return
-            if message["type"] == "http.response.start":
-                state["started"] = True
-            await send(message)
-
+        body = _LimitedBody(receive, send, limit)
         try:
-            await self.app(scope, limited_receive, guarded_send)
+            await self.app(scope, body.receive, body.send)
         finally:
-            if state["rejected"] and not state["started"]:
+            if body.rejected and not body.started:
                 await _reply_413(send, limit)
+
+
+class _LimitedBody:
+    """One request's receive and send, its body counted as it streams in against `limit`."""
+
+    def __init__(self, receive: Receive, send: Send, limit: int) -> None:
+        self._receive, self._send, self.limit = receive, send, limit
+        self.seen = 0
+        self.started = False
+        self.rejected = False
+
+    async def receive(self) -> Message:
+        if self.rejected:
+            return {"type": "http.disconnect"}
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.seen += len(message.get("body", b""))
+            if self.seen > self.limit:
+                # Tell the app the client went away, so it stops reading and cleans up;
+                # anything it still tries to send is dropped, and the 413 goes out once
+                # it has finished: by the time the client reads it, nothing is left.
+                self.rejected = True
+                return {"type": "http.disconnect"}
+        return message
+
+    async def send(self, message: Message) -> None:
+        if self.rejected:
+            return
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self._send(message)
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -5,11 +5,11 @@ The server never unpickles untrusted bytes itself. `check_upload` runs
     python -m service.checkpoints.upload_check PATH NAME
 
 in an empty working folder, with a minimal environment (no credentials, no TORCHJOBS_*
-settings) and a timeout. The child loads the file with `torch.load(weights_only=True)` only —
-which refuses any pickle that would import or call arbitrary objects before anything in it
-runs — and then checks the layout with the runtime's own reader
-(`workers.runtime.checkpoint`, the code a resumed job will use), so an accepted upload is one
-that resumes. It prints a JSON summary, or exits 2 with the reason on stderr.
+settings) and a timeout. The child reads the file and checks its layout with the runtime's own
+reader (`workers.runtime.checkpoint`, the code a resumed job will use), so an accepted upload
+is one that resumes: `torch.load(weights_only=True)` only, which refuses any pickle that would
+import or call arbitrary objects before anything in it runs, its tensors memory-mapped. It
+prints a JSON summary, or exits 2 with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -85,73 +85,22 @@ def _opt_int(value: Any) -> int | None:
 # -- the child ---------------------------------------------------------------------------
 
 
-def _load(path: str) -> Any:
-    import pickle
-
-    import torch
-
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:  # the legacy (pre-zip) format cannot be memory-mapped
-            if "mmap" not in str(exc):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        text = str(exc)
-        unsupported = next((ln.strip() for ln in text.splitlines() if "Unsupported global" in ln), "")
-        if unsupported:
-            unsupported = unsupported.split(" was not")[0][:300]
-            raise UploadRefused(
-                "the file needs more than torch.load(weights_only=True) allows (arbitrary Python "
-                f"objects), so it was refused and nothing in it ran ({unsupported})"
-            ) from None
-        reason = next((ln.strip() for ln in text.splitlines() if "Unsupported" in ln), text.strip())
-        raise UploadRefused(f"not a torch checkpoint ({reason[:300]})") from None
-    except Exception as exc:  # a zip that is not torch's, a truncated file, random bytes
-        raise UploadRefused(
-            f"not a torch checkpoint ({type(exc).__name__}: {str(exc).strip()[:300]})"
-        ) from None
-
-
 def _summary(path: str, name: str) -> dict[str, Any]:
-    raw = _load(path)
+    """The upload's epoch and step (None where its layout records none), or UploadRefused with
+    the runtime reader's reason."""
+    from workers.runtime.checkpoint import normalize_checkpoint, read_checkpoint
+    from workers.runtime.errors import CheckpointError
+
     try:
-        from workers.runtime.checkpoint import normalize_checkpoint
-        from workers.runtime.errors import CheckpointError
-    except ImportError:  # the runtime is not installed here: the same checks, by hand
-        _, _, epoch, step = _fallback_check(raw)
-    else:
-        try:
-            _, _, epoch, step, _ = normalize_checkpoint(raw, source=name)
-        except CheckpointError as exc:
-            raise UploadRefused(str(exc)) from None
+        raw = read_checkpoint(path, source=name, mmap=True)
+        _, _, epoch, step, _ = normalize_checkpoint(raw, source=name)
+    except CheckpointError as exc:
+        raise UploadRefused(str(exc)) from None
     layout = isinstance(raw, Mapping) and "state_dict" in raw
     return {
         "epoch": epoch if layout and "epoch" in raw else None,
         "step": step if layout and "step" in raw else None,
     }
-
-
-def _fallback_check(raw: Any) -> tuple[Any, Any, int, int]:
-    import torch
-
-    if not isinstance(raw, Mapping):
-        raise UploadRefused(f"expected a dict at the top level, found {type(raw).__name__}")
-    state = raw.get("state_dict", raw)
-    if isinstance(state, Mapping) and isinstance(state.get("net"), Mapping):
-        state = state["net"]
-    if not isinstance(state, Mapping) or not state:
-        raise UploadRefused("no weights found; expected {'state_dict': {'net': ...}} or a bare state dict")
-    if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise UploadRefused("not a state dict of named tensors")
-    counts = []
-    for key in ("epoch", "step"):
-        value = raw.get(key, 0) if "state_dict" in raw else 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise UploadRefused(f"{key!r} must be a non-negative integer")
-        counts.append(value)
-    return state, raw.get("optimizer"), counts[0], counts[1]
 
 
 def main(argv: list[str] | None = None) -> int:

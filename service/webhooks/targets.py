@@ -13,7 +13,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 Resolver = Callable[..., list[tuple[Any, ...]]]  # socket.getaddrinfo's shape
 DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -49,18 +49,34 @@ class Target:
 
 def parse_url(url: str) -> tuple[str, str, int, str]:
     """(scheme, host, port, path) of an http(s) URL, or TargetRefused saying what is wrong."""
-    if any(ch.isspace() or not ch.isprintable() for ch in url):
-        raise TargetRefused("the URL may not contain spaces or control characters")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise TargetRefused(f"not a valid URL: {exc}") from None
+    parts, port = _split(url)
     scheme = parts.scheme.lower()
     if scheme not in DEFAULT_PORTS:
         raise TargetRefused("only http and https URLs are allowed")
     if parts.username is not None or parts.password is not None:
         raise TargetRefused("credentials in the URL are not supported: the signature authenticates")
+    host = _host(parts)
+    if port == 0:
+        raise TargetRefused("port 0 is no port to send to")
+    path = parts.path or "/"
+    if parts.query:
+        path = f"{path}?{parts.query}"
+    return scheme, host, port if port is not None else DEFAULT_PORTS[scheme], path
+
+
+def _split(url: str) -> tuple[SplitResult, int | None]:
+    """The URL's parts and its port (None: the scheme's default), or TargetRefused."""
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        raise TargetRefused("the URL may not contain spaces or control characters")
+    try:
+        parts = urlsplit(url)
+        return parts, parts.port
+    except ValueError as exc:
+        raise TargetRefused(f"not a valid URL: {exc}") from None
+
+
+def _host(parts: SplitResult) -> str:
+    """The URL's host without a trailing dot, a name in ASCII (IDNA), or TargetRefused."""
     host = (parts.hostname or "").rstrip(".")
     if not host:
         raise TargetRefused("the URL has no host")
@@ -71,12 +87,7 @@ def parse_url(url: str) -> tuple[str, str, int, str]:
             raise TargetRefused("the URL's host is not a valid host name") from None
         if len(host) > 253:
             raise TargetRefused("the URL's host is not a valid host name")
-    if port == 0:
-        raise TargetRefused("port 0 is no port to send to")
-    path = parts.path or "/"
-    if parts.query:
-        path = f"{path}?{parts.query}"
-    return scheme, host, port if port is not None else DEFAULT_PORTS[scheme], path
+    return host
 
 
 # IPv6 addresses that carry an IPv4 address inside them (contract §7): a send to one reaches, or

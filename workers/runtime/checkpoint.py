@@ -1,8 +1,10 @@
 """The checkpoint file (contract §5): reading every accepted layout safely, writing atomically.
 
 Reading never unpickles arbitrary objects: `torch.load(weights_only=True)` only, and a file
-that needs more is refused before anything in it can run. `load_checkpoint` is a pure function
-of the file so that the platform can validate uploads with it in a throwaway subprocess:
+that needs more is refused before anything in it can run. Reading (`read_checkpoint`) and the
+layout checks (`normalize_checkpoint`) are pure functions of the file, so that the platform
+validates uploads with this very code in a throwaway subprocess
+(`service.checkpoints.upload_check`), and an accepted upload is one that resumes:
 
     python -m workers.runtime.checkpoint PATH   # prints a JSON summary, or exits 2 with the reason
 
@@ -44,30 +46,62 @@ def load_checkpoint(
     Epoch and step are 0 for layouts that do not record them (seed files, bare state dicts).
     Raises CheckpointError, naming the file and the reason, for anything else.
     """
-    return normalize_checkpoint(_read(Path(path)), source=str(path))
+    return normalize_checkpoint(read_checkpoint(path), source=str(path))
 
 
-def _read(path: Path) -> Any:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+def read_checkpoint(path: str | os.PathLike[str], *, source: str | None = None, mmap: bool = False) -> Any:
+    """The object a checkpoint file holds, loaded on the CPU with `torch.load(weights_only=True)`
+    only; CheckpointError, naming `source` (the path by default) and the reason, for a file that
+    is missing, would need arbitrary Python objects (refused before anything in it ran), or is no
+    torch checkpoint. `mmap`: map a zip-format file's tensors instead of reading them into memory
+    (a file too large to read whole; a legacy-format file, which cannot be mapped, is read)."""
+    name = f"checkpoint {source if source is not None else path}"
+    if not Path(path).is_file():
+        raise CheckpointError(f"{name} does not exist or is not a file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return _torch_load(Path(path), mmap=mmap)
     except pickle.UnpicklingError as exc:
-        if "weights only" in str(exc).lower():
-            raise CheckpointError(
-                f"checkpoint {path} refused: it needs more than torch.load(weights_only=True) allows "
-                f"(arbitrary Python objects), so it was not loaded and nothing in it ran "
-                f"({_unpickler_reason(exc)})"
-            ) from None
-        raise CheckpointError(f"checkpoint {path} is not a torch checkpoint ({exc})") from None
+        raise _refusal(exc, name) from None
     except Exception as exc:  # corrupt zip, truncated file, wrong format: all mean "unreadable"
-        raise CheckpointError(f"checkpoint {path} is unreadable: {type(exc).__name__}: {exc}") from None
+        raise CheckpointError(f"{name} is unreadable: {type(exc).__name__}: {exc}") from None
+
+
+def _torch_load(path: Path, *, mmap: bool) -> Any:
+    if mmap:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:  # the legacy (pre-zip) format cannot be memory-mapped
+            if "mmap" not in str(exc):
+                raise
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _refusal(exc: pickle.UnpicklingError, name: str) -> CheckpointError:
+    """What the weights-only unpickler's refusal means: a pickle that would build arbitrary
+    objects, or no torch checkpoint at all (an opcode it does not know: random bytes, a plain
+    pickle of a newer protocol)."""
+    text = str(exc)
+    operand = next(
+        (ln.strip() for ln in text.splitlines() if ln.strip().startswith("Unsupported operand")), None
+    )
+    if operand is not None or "weights only" not in text.lower():
+        return CheckpointError(f"{name} is not a torch checkpoint ({operand or text.strip()})")
+    return CheckpointError(
+        f"{name} refused: it needs more than torch.load(weights_only=True) allows "
+        f"(arbitrary Python objects), so it was not loaded and nothing in it ran "
+        f"({_unpickler_reason(exc)})"
+    )
 
 
 def _unpickler_reason(exc: Exception) -> str:
-    """The specific reason from torch's message, without its advice to retry with
-    weights_only=False (which is exactly what must not happen here)."""
-    paragraphs = [p.strip() for p in str(exc).split("\n\n") if p.strip()]
+    """The specific reason from torch's message (the global it refused, when it names one),
+    without its advice to retry with weights_only=False (which is exactly what must not happen
+    here)."""
+    text = str(exc)
+    refused_global = next((ln.strip() for ln in text.splitlines() if "Unsupported global" in ln), "")
+    if refused_global:
+        return refused_global.split(" was not")[0][:300]
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
     boilerplate = ("Weights only load failed", "Check the documentation")
     specific = [p for p in paragraphs if not p.startswith(boilerplate)]
     return " ".join(specific) or "an object outside the allowed types"

@@ -63,66 +63,73 @@ class RuntimeEnv:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> RuntimeEnv:
         """Build from a mapping shaped like `os.environ`; empty values count as unset."""
-
-        def text(name: str) -> str | None:
-            value = environ.get(name, "").strip()
-            return value or None
-
-        def integer(name: str) -> int | None:
-            value = text(name)
-            if value is None:
-                return None
-            try:
-                return int(value)
-            except ValueError:
-                raise ConfigError(f"{name} must be an integer, not {value!r}") from None
-
-        def seconds(name: str, default: float) -> float:
-            value = text(name)
-            if value is None:
-                return default
-            try:
-                parsed = float(value)
-            except ValueError:
-                parsed = -1.0
-            if not parsed > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}")
-            return parsed
-
-        def path(name: str) -> Path | None:
-            value = text(name)
-            return Path(value) if value else None
-
-        def numbers(name: str) -> tuple[int, ...] | None:
-            value = text(name)
-            if value is None:
-                return None
-            try:
-                return tuple(int(part) for part in value.split(","))
-            except ValueError:
-                raise ConfigError(f"{name} must be comma-separated integers, not {value!r}") from None
-
-        world_size = integer("WORLD_SIZE") or 1
+        env = _Variables(environ)
+        world_size = env.integer("WORLD_SIZE") or 1
         return cls(
-            rank=integer("RANK") or 0,
-            local_rank=integer("LOCAL_RANK") or 0,
+            rank=env.integer("RANK") or 0,
+            local_rank=env.integer("LOCAL_RANK") or 0,
             world_size=world_size,
-            local_world_size=integer("LOCAL_WORLD_SIZE") or world_size,
-            master_addr=text("MASTER_ADDR"),
-            master_port=integer("MASTER_PORT"),
-            job_id=text("TORCHJOBS_JOB_ID"),
-            attempt=integer("TORCHJOBS_ATTEMPT"),
-            checkpoint_dir=path("TORCHJOBS_CHECKPOINT_DIR"),
-            resume_from=path("TORCHJOBS_RESUME_FROM"),
-            events_path=path("TORCHJOBS_EVENTS"),
-            accelerator=text("TORCHJOBS_ACCELERATOR"),
-            node_rank=integer("GROUP_RANK"),
-            preflight_timeout_s=seconds("TORCHJOBS_PREFLIGHT_TIMEOUT_S", 60.0),
-            debug_dump_dir=path("TORCHJOBS_DEBUG_DUMP_DIR"),
-            slots=numbers("TORCHJOBS_SLOTS"),
-            worker_slots=integer("TORCHJOBS_WORKER_SLOTS"),
-            under_torchrun=text("TORCHELASTIC_RUN_ID") is not None,
+            local_world_size=env.integer("LOCAL_WORLD_SIZE") or world_size,
+            master_addr=env.text("MASTER_ADDR"),
+            master_port=env.integer("MASTER_PORT"),
+            job_id=env.text("TORCHJOBS_JOB_ID"),
+            attempt=env.integer("TORCHJOBS_ATTEMPT"),
+            checkpoint_dir=env.path("TORCHJOBS_CHECKPOINT_DIR"),
+            resume_from=env.path("TORCHJOBS_RESUME_FROM"),
+            events_path=env.path("TORCHJOBS_EVENTS"),
+            accelerator=env.text("TORCHJOBS_ACCELERATOR"),
+            node_rank=env.integer("GROUP_RANK"),
+            preflight_timeout_s=env.seconds("TORCHJOBS_PREFLIGHT_TIMEOUT_S", 60.0),
+            debug_dump_dir=env.path("TORCHJOBS_DEBUG_DUMP_DIR"),
+            slots=env.numbers("TORCHJOBS_SLOTS"),
+            worker_slots=env.integer("TORCHJOBS_WORKER_SLOTS"),
+            under_torchrun=env.text("TORCHELASTIC_RUN_ID") is not None,
         )
+
+
+class _Variables:
+    """Typed reads of a mapping shaped like `os.environ`; empty values count as unset."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.environ = environ
+
+    def text(self, name: str) -> str | None:
+        value = self.environ.get(name, "").strip()
+        return value or None
+
+    def integer(self, name: str) -> int | None:
+        value = self.text(name)
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be an integer, not {value!r}") from None
+
+    def seconds(self, name: str, default: float) -> float:
+        value = self.text(name)
+        if value is None:
+            return default
+        try:
+            parsed = float(value)
+        except ValueError:
+            parsed = -1.0
+        if not parsed > 0:
+            raise ConfigError(f"{name} must be a positive number of seconds, not {value!r}")
+        return parsed
+
+    def path(self, name: str) -> Path | None:
+        value = self.text(name)
+        return Path(value) if value else None
+
+    def numbers(self, name: str) -> tuple[int, ...] | None:
+        value = self.text(name)
+        if value is None:
+            return None
+        try:
+            return tuple(int(part) for part in value.split(","))
+        except ValueError:
+            raise ConfigError(f"{name} must be comma-separated integers, not {value!r}") from None
 
 
 @functools.cache

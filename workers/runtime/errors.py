@@ -30,5 +30,5 @@ class CheckpointError(TorchJobsRuntimeError):
     """A checkpoint could not be read safely, or its contents do not fit the model."""
 
 
-class Preempted(Exception):  # noqa: N818 - a control-flow signal, not an error
+class Preempted(Exception):  # a control-flow signal, not an error
     """Raised after a SIGTERM once every rank has stopped and rank 0 has saved a checkpoint."""

@@ -41,7 +41,7 @@ def run_then_exit(main: Callable[[], int], *, exit_now: Callable[[int], None] = 
         code = main()
     except SystemExit as stop:  # argparse's usage errors
         code = stop.code if isinstance(stop.code, int) else 1
-    except BaseException:  # noqa: BLE001 - the entry point reports every failure itself
+    except BaseException:  # the entry point reports every failure itself
         traceback.print_exc()
         code = 1
     flush_and_exit(code, exit_now=exit_now)

@@ -113,14 +113,27 @@ def _optimizer_mismatch(optimizer: torch.optim.Optimizer, state: Mapping[str, An
         return f"{len(saved_groups)} parameter groups saved, {len(optimizer.param_groups)} here"
     params: dict[Any, torch.Tensor] = {}
     for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
-        if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), list):
-            return "malformed parameter group"
-        missing = (_OPTIMIZER_TELLTALES & set(group)) - set(saved)
-        if missing:
-            return f"saved by a different optimizer (no {sorted(missing)})"
-        if len(saved["params"]) != len(group["params"]):
-            return f"{len(saved['params'])} parameters saved in a group of {len(group['params'])}"
+        problem = _group_mismatch(saved, group)
+        if problem is not None:
+            return problem
         params.update(zip(saved["params"], group["params"], strict=True))
+    return _state_mismatch(saved_state, params)
+
+
+def _group_mismatch(saved: Any, group: Mapping[str, Any]) -> str | None:
+    """Why a saved parameter group does not fit the optimizer's `group`; None if it does."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), list):
+        return "malformed parameter group"
+    missing = (_OPTIMIZER_TELLTALES & set(group)) - set(saved)
+    if missing:
+        return f"saved by a different optimizer (no {sorted(missing)})"
+    if len(saved["params"]) != len(group["params"]):
+        return f"{len(saved['params'])} parameters saved in a group of {len(group['params'])}"
+    return None
+
+
+def _state_mismatch(saved_state: Mapping[Any, Any], params: Mapping[Any, torch.Tensor]) -> str | None:
+    """Why the saved per-parameter state does not fit `params` (saved id: parameter); None if it does."""
     for pid, pstate in saved_state.items():
         param = params.get(pid)
         if param is None or not isinstance(pstate, Mapping):

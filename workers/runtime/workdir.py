@@ -47,4 +47,4 @@ def merge_package(name: str, folder: Path) -> None:
     init = folder / "__init__.py"
     if init.is_file():
         code = compile(init.read_bytes(), str(init), "exec")
-        exec(code, package.__dict__)  # noqa: S102 - the job's own package initialiser, in its own process
+        exec(code, package.__dict__)  # the job's own package initialiser, in its own process

@@ -57,5 +57,5 @@ def test_a_failed_write_leaves_nothing(storage: Storage) -> None:
 
 @pytest.mark.parametrize("key", ["", "/etc/passwd", "../x", "jobs/../../x"])
 def test_keys_stay_under_the_root(key: str, tmp_path: Path) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="bad storage key"):
         Storage(f"file://{tmp_path}").path(key)

@@ -50,9 +50,13 @@ def test_published_after_the_outer_commit_only_and_never_after_a_rollback(tmp_pa
             mark_logs(session, 8)
         assert _messages(pubsub) == [([7], [8])]
 
-        with pytest.raises(RuntimeError), factory() as session, session.begin():
-            session.info.setdefault(NOTIFY_EVENTS, set()).add(9)
-            raise RuntimeError("rolled back")
+        def a_wakeup_then_a_failure() -> None:
+            with factory() as session, session.begin():
+                session.info.setdefault(NOTIFY_EVENTS, set()).add(9)
+                raise RuntimeError("rolled back")
+
+        with pytest.raises(RuntimeError, match="rolled back"):
+            a_wakeup_then_a_failure()
         with factory() as session, session.begin():
             session.execute(text("select 1"))  # commits with nothing to tell
         assert _messages(pubsub) == []

@@ -102,9 +102,14 @@ def test_nothing_is_queued_without_a_webhook_nor_for_a_rolled_back_event(db: Dat
     assert queued(db) == []
     with db.transaction() as s:
         add_hook(s, alice_id)
-    with pytest.raises(RuntimeError), db.transaction() as s:
-        make_job(s, alice_id)
-        raise RuntimeError("the writer's transaction fails after the event")
+
+    def a_job_then_a_failure() -> None:
+        with db.transaction() as s:
+            make_job(s, alice_id)
+            raise RuntimeError("the writer's transaction fails after the event")
+
+    with pytest.raises(RuntimeError, match="the writer's transaction fails"):
+        a_job_then_a_failure()
     assert queued(db) == []
 
 

@@ -187,11 +187,16 @@ def test_no_resume_means_no_variable() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad",
-    [dict(mode="zz"), dict(node_rank=1), dict(gpus=()), dict(entrypoint={"kind": "script", "path": "x"})],
+    ("bad", "reason"),
+    [
+        (dict(mode="zz"), "unknown mode 'zz'"),
+        (dict(node_rank=1), r"node_rank outside \[0, nnodes\)"),
+        (dict(gpus=()), "a node needs at least one GPU slot"),
+        (dict(entrypoint={"kind": "script", "path": "x"}), "a script entrypoint needs its resolved path"),
+    ],
 )
-def test_inconsistent_launches_are_refused(bad: dict[str, object]) -> None:
-    with pytest.raises(ValueError):
+def test_inconsistent_launches_are_refused(bad: dict[str, object], reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
         launch(**bad)
 
 

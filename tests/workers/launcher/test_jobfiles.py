@@ -233,8 +233,7 @@ def test_a_checkpoint_that_shrinks_while_stored_is_not_taken(run: Path) -> None:
     (found,) = watcher.poll()
     os.truncate(ckpts / "epoch-1.pt", 10)
     with pytest.raises(CheckpointChanged):
-        while found.file.read(64):
-            pass
+        b"".join(iter(lambda: found.file.read(64), b""))
 
 
 def test_sparse_oversized_and_unnamable_files_are_no_checkpoints(run: Path) -> None:

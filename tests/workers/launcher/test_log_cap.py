@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from service.config import Settings
-from service.jobs.node_reports import Batch, JobControl, NodeKey
+from service.nodes.values import Batch, JobControl, NodeKey
 from workers.launcher.command import LaunchPlan, NodePaths
 from workers.launcher.ingest import LOG_MAX_BYTES, RankLogs
 from workers.launcher.jobfiles import JobFolder
@@ -156,7 +156,7 @@ def test_settings_take_the_cap_from_the_environment(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("TORCHJOBS_LOG_MAX_MB", "0.5")
     assert Settings().log_max_mb == 0.5
     monkeypatch.setenv("TORCHJOBS_LOG_MAX_MB", "0")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="log_max_mb"):
         Settings()
 
 

@@ -20,7 +20,7 @@ def test_the_range_setting() -> None:
     assert uids.parse("2000000000-2000000009") == UidRange(2000000000, 2000000009)
     assert uids.parse("off") is None
     for bad in ("100-200", "5-", "abc", "3000-2000"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="TORCHJOBS_JOB_UIDS: "):
             uids.parse(bad)
 
 

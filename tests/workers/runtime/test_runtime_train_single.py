@@ -293,9 +293,14 @@ def test_bad_factories_are_named_in_the_error(
     monkeypatch.syspath_prepend(str(tmp_path))
     entry = Entrypoint(kind="factory", model=model, dataset=dataset)
     with pytest.raises(FactoryError) as err:
-        load_model(entry)
-        load_datasets(entry, Hyperparameters())
+        _model_then_datasets(entry)
     assert message in str(err.value)
+
+
+def _model_then_datasets(entry: Entrypoint) -> None:
+    """What the trainer loads from factories, in its order: the model, then the datasets."""
+    load_model(entry)
+    load_datasets(entry, Hyperparameters())
 
 
 class _Evil:

@@ -223,7 +223,7 @@ def test_a_mid_epoch_resume_skips_exactly_the_batches_already_trained() -> None:
     full = _order(sampler, 1)
     assert _order(sampler, 1, skip=5) == full[5:] and len(sampler) == 7
     assert _order(sampler, 2) != full and len(sampler) == 12  # the skip lasts one epoch
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot skip 13 of 12 batches"):
         sampler.set_epoch(0, skip_batches=13)
 
 
