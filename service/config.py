@@ -1,8 +1,11 @@
 """The one place configuration is read (contract §1).
 
-Every process of torchjobs — API server, scheduler, workers, CLI — builds a `Settings`
-from the environment (prefix ``TORCHJOBS_``, an optional ``.env``) and passes it down.
-Nothing else reads ``os.environ`` for torchjobs settings.
+Every server-side process of torchjobs — API server, scheduler, workers, the admin CLI —
+builds a `Settings` from the environment (prefix ``TORCHJOBS_``, an optional ``.env``) and
+passes it down. The client, which runs on a laptop without the server, reads the four values it
+needs from the same variables with its own `service.client.settings.ClientSettings`
+(`tests/service/test_client_settings.py` checks the two agree). Nothing else reads
+``os.environ`` for torchjobs settings.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class Settings(BaseSettings):
     # (contract §7 v3) "private": a single-node job's sandbox has a network namespace of its
     # own (its ranks meet on its own loopback; no host service, no other job, and no route
     # out); "host": every job on the host's network, as before v3. Multi-node jobs use the
-    # host's network either way (README: what that leaves open).
+    # host's network either way (docs/security.md, "Network": what that leaves open).
     job_network: Literal["private", "host"] = "private"
     # a root worker's job nodes each run as a uid of their own from this range (never reused
     # while a process of it lives; workers/launcher/uids.py); "off": all as sandbox_user

@@ -29,7 +29,7 @@ def signature(secret: str, body: bytes) -> str:
 
 
 def verify(secret: str, body: bytes, header: str | None) -> bool:
-    """What a receiver does (shown in the README): compare in constant time."""
+    """What a receiver does (shown in docs/guide.md): compare in constant time."""
     return header is not None and hmac.compare_digest(signature(secret, body), header)
 
 

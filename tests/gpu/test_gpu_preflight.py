@@ -1,5 +1,6 @@
-"""On a CUDA host only (no GPU has been lent to this project so far: README, "What ran on a
-GPU"): the pre-flight's GPU check passes on every visible GPU, and names the GPU it fails on."""
+"""On a CUDA host only (no GPU has been lent to this project so far: docs/testing.md,
+"What ran on a GPU"): the pre-flight's GPU check passes on every visible GPU, and names the
+GPU it fails on."""
 
 from __future__ import annotations
 

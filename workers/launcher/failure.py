@@ -4,7 +4,7 @@ torchrun prints a "Root Cause (first observed failure)" block naming the first r
 failed; with `@record` that rank also left an error file holding its traceback. Those beat
 the knock-on failures of the other ranks.
 
-Classification (on by default; see the README):
+Classification (on by default; see docs/guide.md, "Failure classification"):
   infrastructure — retried while max_retries allows: a rank killed by a signal nobody asked
   for, a preempted rank (exit 75), a lost or unreachable node, a collective or rendezvous that
   timed out or lost its peer.

@@ -9,7 +9,7 @@ comes round again only after the whole range was used, and then only when no pro
 left. Its files go with the node's folders; seccomp.py refuses it the kernel's keyrings.
 
 A worker that is not root (user namespaces) cannot do this: its ranks are its own uid on the
-host whatever they are inside (the README says what that mode gives).
+host whatever they are inside (docs/security.md says what that mode gives).
 """
 
 from __future__ import annotations
