@@ -6,7 +6,7 @@
 Same trainer, same spec, same machine, in the same run:
 
 * the floor is `python -m torch.distributed.run --nproc-per-node=N --master-port=P
-  -m workers.runtime.train --config CONFIG.json`, started by hand with TORCHJOBS_EVENTS and
+  -m workers.runtime.trainer.train --config CONFIG.json`, started by hand with TORCHJOBS_EVENTS and
   TORCHJOBS_CHECKPOINT_DIR set, the config being what the worker writes for the job
   (workers/launcher/command.py `trainer_config`);
 * the service is a real stack: `torchjobs up --gpus 2 --accelerator cpu` (SQLite, embedded
@@ -167,7 +167,7 @@ def run_bare(
         f"--nproc-per-node={nproc}",
         f"--master-port={harness.free_port()}",
         "-m",
-        "workers.runtime.train",
+        "workers.runtime.trainer.train",
         "--config",
         str(where / "config.json"),
     ]

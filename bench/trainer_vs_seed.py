@@ -87,7 +87,7 @@ def _seed_loader(
     """The builtin synthetic training data, each rank its own share of it in DDP."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from workers.runtime.data import builtin_datasets
+    from workers.runtime.trainer.data import builtin_datasets
 
     train_data, _ = builtin_datasets("synthetic", synthetic_size=args.synthetic_size)
     sampler: DistributedSampler[Any] | None = None
@@ -112,8 +112,8 @@ def _seed_model(args: argparse.Namespace, device: torch.device, local_rank: int)
     """The builtin cnn on `device`; in DDP with synchronised BatchNorm, wrapped in DDP."""
     import torch
 
-    from workers.runtime.models import build_cnn
-    from workers.runtime.syncbn import convert_distributed_batchnorm
+    from workers.runtime.trainer.models import build_cnn
+    from workers.runtime.trainer.syncbn import convert_distributed_batchnorm
 
     net = build_cnn().to(device)
     if args.mode != "ddp":
@@ -218,7 +218,7 @@ def run_trainer(args: argparse.Namespace, mode: str, workdir: Path) -> float:
     env = _env(TORCHJOBS_EVENTS=str(events), TORCHJOBS_CHECKPOINT_DIR=str(workdir / "ck"))
     _torchrun(
         args.nproc if mode == "ddp" else 1,
-        ["-m", "workers.runtime.train", "--config", "config.json"],
+        ["-m", "workers.runtime.trainer.train", "--config", "config.json"],
         env,
         workdir,
     )

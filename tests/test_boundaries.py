@@ -40,7 +40,8 @@ def loaded_after(code: str) -> list[str]:
     [
         pytest.param(
             "import workers.launcher.supervisor, workers.launcher.command, workers.launcher.sandbox\n"
-            "import workers.launcher.warm_pool, workers.launcher.sandbox_spares, workers.launcher.devices",
+            "import workers.launcher.agents, workers.launcher.sandbox_spares, workers.launcher.devices\n"
+            "import workers.launcher.run_dir",
             DATABASE_STACK,
             ("workers.launcher", "service.states", "service.nodes.values", "service.parent_death"),
             id="launcher-without-the-database",

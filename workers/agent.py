@@ -33,13 +33,14 @@ from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
 from workers.environments import envs_root
 from workers.launcher import cgroups, devices, sandbox, uids
-from workers.launcher.command import NodePaths, code_folders, passthrough, tmp_root
+from workers.launcher.command import NodePaths, code_folders, passthrough
 from workers.launcher.jobfiles import remove_tree
 from workers.launcher.procs import kill_under
 from workers.launcher.readable import warn_unreadable
+from workers.launcher.run_dir import remove_run_dir, tmp_root
 from workers.launcher.sandbox import Isolation
 from workers.launcher.sandbox_spares import SpareSandboxes
-from workers.launcher.supervisor import remove_run_dir, warm_agents
+from workers.launcher.supervisor import warm_agents
 from workers.launcher.uids import UidPool
 from workers.tasks import register_tasks
 

@@ -9,11 +9,11 @@ from pathlib import Path
 from service.config import Settings
 from service.db import Database
 from service.storage import Storage
+from workers.launcher.agents import WarmAgentPool
 from workers.launcher.cgroups import Hierarchy
 from workers.launcher.devices import Gpu
 from workers.launcher.sandbox import UNISOLATED, Isolation
 from workers.launcher.uids import UidPool
-from workers.launcher.warm_pool import WarmAgentPool
 
 
 @dataclass(kw_only=True)

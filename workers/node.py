@@ -20,10 +20,11 @@ from workers.code_cache import CodeUnavailable, unpacked_code
 from workers.context import WorkerContext
 from workers.environments import EnvironmentFailed, ensure_environment
 from workers.launcher.cgroups import NodeGroup, host_memory
-from workers.launcher.command import NodeLaunch, NodePaths, build_launch, environment_log_of, tmp_root
+from workers.launcher.command import NodeLaunch, NodePaths, build_launch, environment_log_of
 from workers.launcher.devices import device_files
+from workers.launcher.run_dir import remove_run_dir, tmp_root
 from workers.launcher.sandbox import Isolation
-from workers.launcher.supervisor import Hooks, NodeSupervisor, remove_run_dir
+from workers.launcher.supervisor import Hooks, NodeSupervisor
 
 log = logging.getLogger("torchjobs.worker")
 

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from tests.workers.runtime.conftest import free_port
-from workers.launcher.command import NodeLaunch, build_launch, lay_out_run_dir
+from workers.launcher.command import NodeLaunch, build_launch
 from workers.launcher.devices import slot_ids
+from workers.launcher.run_dir import lay_out_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
 

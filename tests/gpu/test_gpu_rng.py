@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.runtime.rng import capture_rng, restore_rng
+from workers.runtime.trainer.rng import capture_rng, restore_rng
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU host)")
 

@@ -22,7 +22,7 @@ from tests.workers.runtime.test_runtime_syncbn import (
     _moment_inputs,
     _moment_layer,
 )
-from workers.runtime.syncbn import DataParallelWithSyncBN, convert_replica_batchnorm
+from workers.runtime.trainer.syncbn import DataParallelWithSyncBN, convert_replica_batchnorm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bash .ci/gpu)")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DataParallel needs two GPUs")
@@ -35,7 +35,7 @@ def cuda_config(jobs: Any, mode: str = "single", gpus: int = 1, **hyper: Any) ->
 
 
 def placements(run: Any) -> list[str]:
-    """The ranks' `placement:` log lines (workers/runtime/distributed.describe_placement)."""
+    """The ranks' `placement:` log lines (workers/runtime/trainer/distributed.describe_placement)."""
     return re.findall(r"\] placement: (.*)", run.output)
 
 

@@ -20,7 +20,8 @@ import pytest
 from service.testing import harness
 from service.testing.harness import ADMIN_TOKEN, Stack
 from workers.launcher import cgroups
-from workers.launcher.command import NodePaths, tmp_root
+from workers.launcher.command import NodePaths
+from workers.launcher.run_dir import tmp_root
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the root worker's sandbox (bwrap-setuid)")
 

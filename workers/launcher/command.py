@@ -1,14 +1,14 @@
-"""Turn one placed node into a torchrun argv, environment and working folder — no side effects.
+"""Turn one placed node into a torchrun argv, environment and the paths of its run folder — no
+side effects.
 
 Like torchrun's own `config_from_args`, the whole launch is computed first by this pure
-function (and unit-tested exhaustively), and only then acted on by the supervisor.
+function (and unit-tested exhaustively), and only then acted on: the run folder by run_dir.py,
+the processes by the supervisor.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,11 +149,6 @@ class LaunchPlan:
         return {"PATH": SYSTEM_PATH} if self.sandboxed else self.env
 
 
-def tmp_root() -> Path:
-    """Where nodes' short TMPDIRs live: the same for a launch and for its clean-up."""
-    return Path(tempfile.gettempdir())
-
-
 def environment_log_of(run_dir: Path) -> Path:
     """The node's environment build output, beside its run folder (a warm sandbox's folder is
     renamed into place at launch, after the build): every rank's log starts with it."""
@@ -218,7 +213,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         argv += ["-m", "workers.runtime.script", script, *launch.entrypoint.get("args", [])]
     else:
         config = trainer_config(launch)
-        argv += ["-m", "workers.runtime.train", "--config", str(seen.config)]
+        argv += ["-m", "workers.runtime.trainer.train", "--config", str(seen.config)]
     env = rank_env(launch, seen)
     if not launch.isolation.sandboxed:
         return LaunchPlan(
@@ -305,20 +300,3 @@ def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
         if launch.worker_slots:
             env["TORCHJOBS_WORKER_SLOTS"] = str(launch.worker_slots)
     return env
-
-
-def config_json(plan: LaunchPlan) -> str:
-    return json.dumps(plan.config, indent=2, sort_keys=True)
-
-
-def lay_out_run_dir(plan: LaunchPlan) -> tuple[Path, ...]:
-    """The node's folders and the trainer's config: what `torchrun` needs in place before it
-    starts. Returns the folders the ranks write to (a sandboxed node
-    hands them to its user)."""
-    paths = plan.paths
-    folders = (paths.run_dir, paths.checkpoints, paths.logs, paths.tmp, paths.home)
-    for folder in folders:
-        folder.mkdir(parents=True, exist_ok=True)
-    if plan.config is not None:
-        paths.config.write_text(config_json(plan))
-    return folders

@@ -30,16 +30,14 @@ from service.nodes.values import (
 )
 from service.states import JobState, NodeState
 from workers.launcher import disk, stall_report
+from workers.launcher.agents import WarmAgentPool
 from workers.launcher.cgroups import NodeGroup
 from workers.launcher.clocks import LOST_PEERS, STALL, TIME_LIMIT, NodeClock
 from workers.launcher.command import (
     LaunchPlan,
-    NodePaths,
     environment_log_of,
     identity_dir_of,
-    lay_out_run_dir,
     processes_per_node,
-    resume_dir_of,
 )
 from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import TAIL_BYTES, is_retryable, read_error_file, root_cause, tail
@@ -53,7 +51,7 @@ from workers.launcher.ingest import (
     RankLogs,
     checkpoint_meta,
 )
-from workers.launcher.jobfiles import JobFolder, remove_tree
+from workers.launcher.jobfiles import JobFolder
 from workers.launcher.procs import (
     kill_group,
     kill_under,
@@ -62,11 +60,10 @@ from workers.launcher.procs import (
     sandbox_namespace,
     signal_all,
 )
+from workers.launcher.run_dir import copy_code, lay_out_run_dir, remove_run_dir
 from workers.launcher.sandbox import write_identity
 from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.stacks import rank_processes
-from workers.launcher.warm_pool import WarmAgentPool
-from workers.launcher.workdir import copy_code
 
 log = logging.getLogger("torchjobs.worker")
 DISK_LIMIT = "disk limit"
@@ -497,16 +494,6 @@ class NodeSupervisor:
         remove_run_dir(self.plan.paths)
         if self.group is not None:
             self.group.remove()
-
-
-def remove_run_dir(paths: NodePaths) -> None:
-    """A node's folder, its short TMPDIR and a warm sandbox's /resume folder beside it: each a
-    path the worker chose and keeps, never one read from the job's folder (contract §7 v3).
-    `remove_tree` follows no link inside them and walks any depth."""
-    run_dir = paths.run_dir
-    for folder in (paths.tmp, run_dir, resume_dir_of(run_dir), identity_dir_of(run_dir)):
-        remove_tree(folder)
-    environment_log_of(run_dir).unlink(missing_ok=True)
 
 
 def cold_agents() -> WarmAgentPool:

@@ -2,7 +2,7 @@
 
 Launching a node costs, before any rank exists, the agent's own interpreter start and its
 import of torch (about 0.9 s here, more on a busy host). A worker keeps one such process
-waiting (warm_pool.py): it imports `torch.distributed.run` at once, then blocks on one line of
+waiting (agents.py): it imports `torch.distributed.run` at once, then blocks on one line of
 JSON on stdin — the launch's torchrun arguments, environment, working folder and agent log —
 and from there is exactly `python -m torch.distributed.run ARGS` with that environment: the
 same agent code, the ranks it starts are ordinary torchrun ranks with the launch's

@@ -43,7 +43,7 @@ class RuntimeEnv:
     slots: tuple[int, ...] | None = None
     worker_slots: int | None = None
     # Test-only: when set, each rank dumps the sample indices it trained on and its BatchNorm
-    # buffers after every epoch (see workers.runtime.debug).
+    # buffers after every epoch (see workers.runtime.trainer.debug).
     debug_dump_dir: Path | None = None
 
     def __post_init__(self) -> None:

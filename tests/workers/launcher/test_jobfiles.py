@@ -16,7 +16,7 @@ from workers.launcher import jobfiles
 from workers.launcher.command import NodePaths
 from workers.launcher.ingest import CheckpointWatcher, EventsTail, RankLogs
 from workers.launcher.jobfiles import JobFolder, Refused, open_beneath
-from workers.launcher.supervisor import remove_run_dir
+from workers.launcher.run_dir import remove_run_dir
 
 SECRET = b"admin-token-0123456789"
 

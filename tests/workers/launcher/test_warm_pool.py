@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from service.testing.harness import free_port
+from workers.launcher.agents import WarmAgentPool
 from workers.launcher.procs import pids_under
 from workers.launcher.supervisor import cold_agents, warm_agents
-from workers.launcher.warm_pool import WarmAgentPool
 
 SCRIPT = """
 import os, sys, time

@@ -1,6 +1,6 @@
 """Fixtures for the runtime's tests: launching the real trainer under the real torchrun.
 
-Every launch is `python -m torch.distributed.run ... -m workers.runtime.train --config FILE`,
+Every launch is `python -m torch.distributed.run ... -m workers.runtime.trainer.train --config FILE`,
 the exact command the platform's worker runs, on CPU with gloo and one thread per process.
 """
 
@@ -152,7 +152,7 @@ def start(
     )
     if resume is not None:
         env["TORCHJOBS_RESUME_FROM"] = str(resume)
-    trainer = ["-m", "workers.runtime.train", "--config", str(config_path)]
+    trainer = ["-m", "workers.runtime.trainer.train", "--config", str(config_path)]
     argv = [sys.executable, *trainer]
     if torchrun:
         argv = [

@@ -21,7 +21,7 @@ from workers.runtime.checkpoint import (
     write_atomic,
 )
 from workers.runtime.errors import CheckpointError
-from workers.runtime.models import build_cnn, build_mlp
+from workers.runtime.trainer.models import build_cnn, build_mlp
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -256,8 +256,8 @@ def test_a_name_both_with_and_without_a_wrapper_prefix_is_a_clear_error() -> Non
 
 EMA_FACTORY = """
 from torch import nn
-from workers.runtime.data import builtin_datasets
-from workers.runtime.models import build_mlp
+from workers.runtime.trainer.data import builtin_datasets
+from workers.runtime.trainer.models import build_mlp
 
 class Ema(nn.Module):
     def __init__(self):

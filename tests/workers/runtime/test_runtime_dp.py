@@ -19,8 +19,8 @@ from torch import nn
 from torch._utils import ExceptionWrapper
 
 from tests.workers.runtime.test_runtime_syncbn import cpu_replicate
-from workers.runtime.rng import capture_rng, restore_rng
-from workers.runtime.syncbn import (
+from workers.runtime.trainer.rng import capture_rng, restore_rng
+from workers.runtime.trainer.syncbn import (
     SiblingReplicaFailed,
     apply_replicas,
     attach_replica_sync,

@@ -13,8 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from workers.runtime.data import builtin_datasets
-from workers.runtime.models import build_mlp
+from workers.runtime.trainer.data import builtin_datasets
+from workers.runtime.trainer.models import build_mlp
 
 def _record(role):
     folder = Path(os.environ["FACTORY_MARKERS"])

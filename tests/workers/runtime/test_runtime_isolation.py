@@ -26,7 +26,7 @@ PROBE = """
 import json, sys
 import workers.runtime
 light = "torch" in sys.modules
-import workers.runtime.train, workers.runtime.checkpoint
+import workers.runtime.trainer.train, workers.runtime.checkpoint
 print(json.dumps({"modules": sorted(sys.modules), "torch_after_package_import": light}))
 """
 

@@ -1,5 +1,5 @@
 """Random augmentation in DataLoader workers: different on every rank and in every epoch, and
-the same after a resume (see workers/runtime/data.py)."""
+the same after a resume (see workers/runtime/trainer/data.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from workers.runtime.data import EpochBatchSampler, LoaderOptions, train_loader
+from workers.runtime.trainer.data import EpochBatchSampler, LoaderOptions, train_loader
 
 SEED = 3
 
@@ -80,7 +80,7 @@ def test_a_tensor_dataset_subclass_keeps_its_own_getitem() -> None:
 JITTER_FACTORY = """
 import torch
 from torch.utils.data import Dataset
-from workers.runtime.data import builtin_datasets
+from workers.runtime.trainer.data import builtin_datasets
 
 class Jitter(Dataset):
     def __init__(self, base):
@@ -107,7 +107,7 @@ def test_two_epochs_with_augmenting_workers_equal_one_resume_one_bitwise(jobs: A
         config = jobs.config("single", epochs=epochs, num_workers=2)
         config["entrypoint"] = {
             "kind": "factory",
-            "model": "workers.runtime.models:build_cnn",
+            "model": "workers.runtime.trainer.models:build_cnn",
             "dataset": "jitter:data",
         }
         return jobs.start(

@@ -1,5 +1,5 @@
 """DataLoader workers start from a forkserver, not as forks of the threaded rank
-(workers/runtime/loader_workers.py says why: CPython gh-112275 hung a job here)."""
+(workers/runtime/trainer/loader_workers.py says why: CPython gh-112275 hung a job here)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from workers.launcher.procs import parent_of
-from workers.runtime import loader_workers
-from workers.runtime.data import EpochBatchSampler, LoaderOptions, train_loader, val_loader
+from workers.runtime.trainer import loader_workers
+from workers.runtime.trainer.data import EpochBatchSampler, LoaderOptions, train_loader, val_loader
 
 REPO = Path(__file__).resolve().parents[3]
 RACE = Path(__file__).parent / "scripts" / "loader_fork_race.py"
@@ -105,7 +105,7 @@ RANK = """\
 import os, sys, threading, time
 from multiprocessing import forkserver
 from workers.launcher.procs import parent_of
-from workers.runtime import loader_workers
+from workers.runtime.trainer import loader_workers
 if __name__ == '__main__':
     if sys.argv[1] == 'threaded':
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()

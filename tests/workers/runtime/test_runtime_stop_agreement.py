@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from workers.runtime.distributed import (
+from workers.runtime.trainer.distributed import (
     STOP_EXCHANGE_MAX_STEPS,
     STOP_EXCHANGE_S,
     DistContext,

@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from workers.runtime.syncbn import (
+from workers.runtime.trainer.syncbn import (
     DistributedBatchNorm,
     ReplicaSyncBatchNorm,
     attach_replica_sync,

@@ -14,11 +14,11 @@ import torch
 
 from workers.runtime import PREEMPTED_EXIT_CODE
 from workers.runtime.checkpoint import load_checkpoint
-from workers.runtime.config import Entrypoint, Hyperparameters
 from workers.runtime.errors import FactoryError
-from workers.runtime.factory import load_datasets, load_model
-from workers.runtime.models import build_cnn
 from workers.runtime.preemption import ParentWatchdog, PreemptionFlag
+from workers.runtime.trainer.config import Entrypoint, Hyperparameters
+from workers.runtime.trainer.factory import load_datasets, load_model
+from workers.runtime.trainer.models import build_cnn
 
 PROGRESS_KEYS = {"type", "ts", "epoch", "epochs", "step", "total_steps", "loss", "samples_per_sec"}
 EPOCH_END_KEYS = PROGRESS_KEYS | {"val_loss", "val_accuracy"}
@@ -324,7 +324,7 @@ def test_a_resume_checkpoint_that_would_run_code_is_refused(jobs: Any, tmp_path:
 
 def test_a_checkpoint_that_does_not_fit_the_model_is_a_clear_error(jobs: Any, tmp_path: Path) -> None:
     bad = tmp_path / "mlp.pt"
-    from workers.runtime.models import build_mlp
+    from workers.runtime.trainer.models import build_mlp
 
     torch.save(build_mlp().state_dict(), bad)
     run = jobs.start(tmp_path / "run", jobs.config("single"), resume=bad, torchrun=False).wait()

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from workers.runtime import report
-from workers.runtime.config import Hyperparameters, parse_config
-from workers.runtime.data import (
+from workers.runtime.env import RuntimeEnv, runtime_env
+from workers.runtime.errors import ConfigError
+from workers.runtime.trainer.config import Hyperparameters, parse_config
+from workers.runtime.trainer.data import (
     EpochBatchSampler,
     LoaderOptions,
     builtin_datasets,
@@ -21,12 +23,10 @@ from workers.runtime.data import (
     synthetic_tensors,
     train_loader,
 )
-from workers.runtime.distributed import DistContext, StopAgreement, describe_placement
-from workers.runtime.env import RuntimeEnv, runtime_env
-from workers.runtime.errors import ConfigError
-from workers.runtime.models import build_cnn, build_mlp
-from workers.runtime.parallel import load_optimizer_state, make_optimizer
-from workers.runtime.plan import make_plan
+from workers.runtime.trainer.distributed import DistContext, StopAgreement, describe_placement
+from workers.runtime.trainer.models import build_cnn, build_mlp
+from workers.runtime.trainer.parallel import load_optimizer_state, make_optimizer
+from workers.runtime.trainer.plan import make_plan
 
 TORCHRUN_ENV = {
     "RANK": "3",

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.runtime.stepping import Grouping, lr_factor
+from workers.runtime.trainer.stepping import Grouping, lr_factor
 
 V2 = {"lr_schedule": "cosine", "warmup_steps": 3, "grad_accum_steps": 2, "clip_grad_norm": 0.5}
 

@@ -21,8 +21,8 @@ import threading
 import torch
 from torch.utils.data import TensorDataset
 
-from workers.runtime import data
-from workers.runtime.data import LoaderOptions, val_loader
+from workers.runtime.trainer import data
+from workers.runtime.trainer.data import LoaderOptions, val_loader
 
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 
-from workers.runtime.loader_workers import worker_context
+from workers.runtime.trainer.loader_workers import worker_context
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (1, 8, 8)

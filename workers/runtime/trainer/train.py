@@ -1,13 +1,13 @@
-"""`python -m workers.runtime.train --config config.json`: what torchrun runs for builtin and
+"""`python -m workers.runtime.trainer.train --config config.json`: what torchrun runs for builtin and
 factory jobs (one process per rank).
 
-A rank stops cleanly on SIGTERM (see preemption.py), and also when torchrun itself dies.
-Every rank first meets every other one (preflight.py), so a broken network fails in seconds.
+A rank stops cleanly on SIGTERM (see ../preemption.py), and also when torchrun itself dies.
+Every rank first meets every other one (../preflight.py), so a broken network fails in seconds.
 Following torchrun's advice, the checkpoint is loaded next (ranks are not stable across
 restarts, so all state comes from the checkpoint), then the process group is joined, then
 training runs. `@record` writes a failing rank's traceback to torchrun's error file, which the
 platform reads to name the root cause; the process group is destroyed on every exit path, and
-the process ends with `os._exit` once its output is flushed (exiting.py says why).
+the process ends with `os._exit` once its output is flushed (../exiting.py says why).
 """
 
 from __future__ import annotations
@@ -19,29 +19,29 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from workers.runtime.checkpoint import load_checkpoint
-from workers.runtime.config import TrainConfig, load_config
 from workers.runtime.cpus import describe, use_slot_cpus
-from workers.runtime.distributed import (
+from workers.runtime.env import RuntimeEnv, runtime_env
+from workers.runtime.errors import PREEMPTED_EXIT_CODE, Preempted
+from workers.runtime.exiting import run_then_exit
+from workers.runtime.preemption import ParentWatchdog, PreemptionFlag
+from workers.runtime.preflight import run_preflight
+from workers.runtime.stacks import allow_stack_dumps
+from workers.runtime.trainer.config import TrainConfig, load_config
+from workers.runtime.trainer.distributed import (
     DistContext,
     barrier,
     describe_placement,
     init_distributed,
     teardown_distributed,
 )
-from workers.runtime.env import RuntimeEnv, runtime_env
-from workers.runtime.errors import PREEMPTED_EXIT_CODE, Preempted
-from workers.runtime.exiting import run_then_exit
-from workers.runtime.loader_workers import start_server as start_loader_server
-from workers.runtime.plan import RunPlan, make_plan
-from workers.runtime.preemption import ParentWatchdog, PreemptionFlag
-from workers.runtime.preflight import run_preflight
-from workers.runtime.stacks import allow_stack_dumps
-from workers.runtime.trainer import Resume, Trainer, log
+from workers.runtime.trainer.loader_workers import start_server as start_loader_server
+from workers.runtime.trainer.loop import Resume, Trainer, log
+from workers.runtime.trainer.plan import RunPlan, make_plan
 from workers.runtime.workdir import enter_workdir, import_first
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m workers.runtime.train")
+    parser = argparse.ArgumentParser(prog="python -m workers.runtime.trainer.train")
     parser.add_argument("--config", type=Path, required=True, help="the job's config.json")
     return parser.parse_args(argv)
 
@@ -91,7 +91,7 @@ def _train(
 ) -> int:
     """Run the trainer; it and its DDP wrapper are gone on return. The wrapper's Reducer still
     keeps the process group's threads alive, which is why the process ends through
-    `run_then_exit` (see exiting.py)."""
+    `run_then_exit` (see ../exiting.py)."""
     try:
         return Trainer(config=config, plan=plan, env=env, ctx=ctx, flag=flag, resume=resume).run()
     except Preempted:

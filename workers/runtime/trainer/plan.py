@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workers.runtime.config import TrainConfig
 from workers.runtime.env import RuntimeEnv
 from workers.runtime.errors import ConfigError
+from workers.runtime.trainer.config import TrainConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,5 @@
-"""One warm torchrun agent kept ready per worker (see warm_agent.py).
+"""Every torchrun start of a node: one warm torchrun agent kept ready per worker (see
+warm_agent.py), or a cold one.
 
 `start()` hands a launch to the waiting agent when there is one, alive, for the same
 interpreter, and asks a long-lived spawner thread for the next; otherwise (two launches at

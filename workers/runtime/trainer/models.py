@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from workers.runtime.data import IMAGE_SHAPE, NUM_CLASSES
+from workers.runtime.trainer.data import IMAGE_SHAPE, NUM_CLASSES
 
 
 def build_cnn() -> nn.Module:

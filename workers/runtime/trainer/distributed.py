@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from workers.runtime.plan import RunPlan
+from workers.runtime.trainer.plan import RunPlan
 
 # How much training may pass between two exchanges of the ranks' SIGTERM flags (StopAgreement).
 STOP_EXCHANGE_S = 0.2

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from workers.runtime import debug
 from workers.runtime.checkpoint import (
     build_checkpoint,
     checkpoint_name,
@@ -28,9 +27,14 @@ from workers.runtime.checkpoint import (
     unwrap_model,
     write_atomic,
 )
-from workers.runtime.config import TrainConfig
-from workers.runtime.data import EpochBatchSampler, LoaderOptions, train_loader, val_loader
-from workers.runtime.distributed import (
+from workers.runtime.env import RuntimeEnv
+from workers.runtime.errors import CheckpointError, ConfigError, Preempted
+from workers.runtime.events import report
+from workers.runtime.preemption import PreemptionFlag
+from workers.runtime.trainer import debug
+from workers.runtime.trainer.config import TrainConfig
+from workers.runtime.trainer.data import EpochBatchSampler, LoaderOptions, train_loader, val_loader
+from workers.runtime.trainer.distributed import (
     DistContext,
     StopAgreement,
     all_reduce_sum,
@@ -38,15 +42,11 @@ from workers.runtime.distributed import (
     gather_to_main,
     seed_everything,
 )
-from workers.runtime.env import RuntimeEnv
-from workers.runtime.errors import CheckpointError, ConfigError, Preempted
-from workers.runtime.events import report
-from workers.runtime.factory import load_datasets, load_model
-from workers.runtime.parallel import PlacedModel, load_optimizer_state, make_optimizer, place_model
-from workers.runtime.plan import RunPlan
-from workers.runtime.preemption import PreemptionFlag
-from workers.runtime.rng import capture_rng, restore_rng
-from workers.runtime.stepping import Grouping, Stepper
+from workers.runtime.trainer.factory import load_datasets, load_model
+from workers.runtime.trainer.parallel import PlacedModel, load_optimizer_state, make_optimizer, place_model
+from workers.runtime.trainer.plan import RunPlan
+from workers.runtime.trainer.rng import capture_rng, restore_rng
+from workers.runtime.trainer.stepping import Grouping, Stepper
 from workers.runtime.version import torchjobs_version
 
 Resume = tuple[dict[str, torch.Tensor], dict[str, Any] | None, int, int, dict[str, Any]]

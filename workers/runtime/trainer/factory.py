@@ -13,10 +13,10 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from workers.runtime.config import Entrypoint, Hyperparameters
-from workers.runtime.data import builtin_datasets
 from workers.runtime.errors import FactoryError
-from workers.runtime.models import BUILTIN_MODELS
+from workers.runtime.trainer.config import Entrypoint, Hyperparameters
+from workers.runtime.trainer.data import builtin_datasets
+from workers.runtime.trainer.models import BUILTIN_MODELS
 
 
 def resolve_callable(spec: str, *, role: str) -> Callable[[], Any]:

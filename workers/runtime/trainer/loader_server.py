@@ -18,7 +18,7 @@ import signal
 
 import torch  # noqa: F401 - imported once here, inherited by every worker forked from it
 
-import workers.runtime.data  # noqa: F401 - the loaders' own wrappers unpickle without an import
+import workers.runtime.trainer.data  # noqa: F401 - the loaders' own wrappers unpickle without an import
 from workers.runtime.workdir import enter_workdir, import_first
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)

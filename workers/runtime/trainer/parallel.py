@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from workers.runtime.config import Hyperparameters
-from workers.runtime.plan import RunPlan
-from workers.runtime.syncbn import (
+from workers.runtime.trainer.config import Hyperparameters
+from workers.runtime.trainer.plan import RunPlan
+from workers.runtime.trainer.syncbn import (
     DataParallelWithSyncBN,
     convert_distributed_batchnorm,
     convert_replica_batchnorm,

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from workers.runtime.config import Hyperparameters
 from workers.runtime.errors import ConfigError
+from workers.runtime.trainer.config import Hyperparameters
 
 STEP_DECAYS = (0.5, 0.75)  # "step": x0.1 at each of these fractions of the optimizer steps
 

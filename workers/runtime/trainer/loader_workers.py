@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-PRELOAD = ["workers.runtime.loader_server"]
+PRELOAD = ["workers.runtime.trainer.loader_server"]
 FORKSERVER = "forkserver"
 
 
