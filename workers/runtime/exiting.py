@@ -33,14 +33,22 @@ def flush_and_exit(code: int, *, exit_now: Callable[[int], None] = os._exit) -> 
     exit_now(code)
 
 
-def run_then_exit(main: Callable[[], int], *, exit_now: Callable[[int], None] = os._exit) -> None:
+def exit_code_of(stop: SystemExit) -> int:
+    """The status the interpreter itself would give: None is 0, a message is 1."""
+    if stop.code is None:
+        return 0
+    return stop.code if isinstance(stop.code, int) else 1
+
+
+def run_then_exit(main: Callable[[], int | None], *, exit_now: Callable[[int], None] = os._exit) -> None:
     """Run `main` as a process entry point: its return value is the exit status, an uncaught
     exception prints its traceback (as the interpreter would) and exits 1, SystemExit keeps
     its code."""
     try:
-        code = main()
-    except SystemExit as stop:  # argparse's usage errors
-        code = stop.code if isinstance(stop.code, int) else 1
+        returned = main()
+        code = 0 if returned is None else returned  # torch's @record turns SystemExit(0) into None
+    except SystemExit as stop:  # argparse's usage errors (2) and --help (None: success)
+        code = exit_code_of(stop)
     except BaseException:  # the entry point reports every failure itself
         traceback.print_exc()
         code = 1

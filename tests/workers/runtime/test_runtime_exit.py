@@ -23,6 +23,7 @@ def _exit_code(main, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:  # 
 
 def test_return_value_is_the_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
     assert _exit_code(lambda: 0, capsys)[0] == 0
+    assert _exit_code(lambda: None, capsys)[0] == 0  # torch's @record after `--help`
     assert _exit_code(lambda: 75, capsys)[0] == 75
 
 
@@ -40,6 +41,18 @@ def test_system_exit_keeps_its_code(capsys: pytest.CaptureFixture[str]) -> None:
         raise SystemExit(2)
 
     assert _exit_code(usage_error, capsys)[0] == 2
+
+
+@pytest.mark.parametrize(("stop", "code"), [(SystemExit(), 0), (SystemExit(None), 0), (SystemExit("no"), 1)])
+def test_system_exit_without_a_number_exits_as_the_interpreter_would(
+    stop: SystemExit, code: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--help` raises SystemExit(None): success, not a crash in the exit path."""
+
+    def leave() -> int:
+        raise stop
+
+    assert _exit_code(leave, capsys)[0] == code
 
 
 def test_ddp_ranks_exit_cleanly_after_a_final_barrier(jobs, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -100,4 +100,4 @@ def _train(
 
 
 if __name__ == "__main__":
-    run_then_exit(main)  # type: ignore[arg-type]  # torch's @record types main as returning int | None
+    run_then_exit(main)
