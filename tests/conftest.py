@@ -1,16 +1,105 @@
-"""Shared fixtures: real PostgreSQL databases, a real Redis database, real torchjobs stacks."""
+"""Shared fixtures: real PostgreSQL databases, a real Redis database, real torchjobs stacks;
+and how the suite is split for `.ci/test` (tiers, xdist groups, Redis databases per process)."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from service.testing import harness
+from tests.redis_dbs import fresh_redis_url, release_redis_url
 
-_redis_db = itertools.count(1)
+pytest_plugins = ["tests.ci_report"]
+
+# What each module does that makes it slow or fragile (`.ci/test` runs the unmarked tests
+# first with -x, then these). tests/test_tiers.py checks this table against the modules.
+_INTEGRATION = ("stack", "torchrun")
+MARKS: dict[str, tuple[str, ...]] = {
+    "integration/test_cli.py": _INTEGRATION,
+    "integration/test_dependencies.py": _INTEGRATION,
+    "integration/test_failures.py": (*_INTEGRATION, "fault"),
+    "integration/test_fair_queue.py": _INTEGRATION,
+    "integration/test_json_logs.py": _INTEGRATION,
+    "integration/test_multinode.py": _INTEGRATION,
+    "integration/test_own_code.py": _INTEGRATION,
+    "integration/test_sandbox.py": (*_INTEGRATION, "fault"),
+    "integration/test_sick_hosts.py": (*_INTEGRATION, "fault"),
+    "integration/test_skeleton.py": _INTEGRATION,
+    "integration/test_sweeps.py": _INTEGRATION,
+    "integration/test_time_limits.py": _INTEGRATION,
+    "integration/test_up.py": (*_INTEGRATION, "fault"),
+    "integration/test_walls_v3.py": _INTEGRATION,
+    "integration/test_webhooks.py": (*_INTEGRATION, "fault"),
+    "service/checkpoints/test_checkpoints_api.py": _INTEGRATION,
+    "service/checkpoints/test_code_storage.py": ("stack",),
+    "service/dashboard/test_browser.py": ("stack", "browser"),
+    "service/streams/test_events_stream.py": _INTEGRATION,
+    "service/streams/test_logs.py": _INTEGRATION,
+    "service/streams/test_revoked_streams.py": ("stack",),
+    "service/test_concurrent_requests.py": ("stack",),
+    "service/test_fuzz_api.py": ("stack",),
+    "service/test_hostile_strings.py": ("stack",),
+    "service/test_parent_death.py": ("fault",),
+    "service/scheduler/test_leadership.py": ("fault",),
+    "service/scheduler/test_database_outages.py": ("fault",),
+    "service/jobs/test_record_end_retries.py": ("fault",),
+    "test_bench_smoke.py": ("bench", "stack", "torchrun"),
+    "test_scale_smoke.py": ("bench", "stack"),
+    "workers/test_worker_exit_status.py": ("fault",),
+    "workers/launcher/test_cgroups.py": ("fault",),
+    "workers/launcher/test_launch_plan_runs.py": ("torchrun",),
+    "workers/launcher/test_log_cap.py": ("torchrun",),
+    "workers/launcher/test_log_ingestion.py": ("torchrun",),
+    "workers/launcher/test_sandbox.py": ("torchrun",),
+    "workers/launcher/test_seccomp.py": ("torchrun",),
+    "workers/launcher/test_supervisor_storing.py": ("torchrun",),
+    "workers/launcher/test_warm_pool.py": ("torchrun",),
+    "workers/runtime/test_runtime_checkpoint.py": ("torchrun",),
+    "workers/runtime/test_runtime_cpu_slots.py": ("torchrun",),
+    "workers/runtime/test_runtime_dp.py": ("torchrun",),
+    "workers/runtime/test_runtime_exit.py": ("torchrun",),
+    "workers/runtime/test_runtime_factory_order.py": ("torchrun",),
+    "workers/runtime/test_runtime_isolation.py": ("torchrun",),
+    "workers/runtime/test_runtime_loader_seeds.py": ("torchrun",),
+    "workers/runtime/test_runtime_loader_workers.py": ("torchrun", "fault"),
+    "workers/runtime/test_runtime_preflight.py": ("torchrun",),
+    "workers/runtime/test_runtime_stop_agreement.py": ("torchrun",),
+    "workers/runtime/test_runtime_syncbn.py": ("torchrun",),
+    "workers/runtime/test_runtime_train_ddp.py": ("torchrun",),
+    "workers/runtime/test_runtime_train_single.py": ("torchrun",),
+    "workers/runtime/test_runtime_units.py": ("torchrun",),
+    "workers/runtime/test_runtime_v2_hyper.py": ("torchrun",),
+}
+# Modules that use one of the fixed Redis databases 12-15 (the benchmarks use 12 and 13 too):
+# one xdist group, so one process at a time uses them (two stacks on one database would take
+# each other's tasks).
+FIXED_REDIS = (
+    "integration/test_sandbox.py",
+    "service/checkpoints/",
+    "service/streams/",
+    "test_bench_smoke.py",
+    "test_scale_smoke.py",
+)
+TESTS = Path(__file__).resolve().parent
+
+
+def module_key(path: Path) -> str:
+    return path.resolve().relative_to(TESTS).as_posix()
+
+
+def xdist_group_of(key: str) -> str:
+    """A module's tests stay together (module and package fixtures are made once per process)."""
+    return "redis-fixed" if key.startswith(FIXED_REDIS) else key
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        key = module_key(item.path)
+        for mark in MARKS.get(key, ()):
+            item.add_marker(getattr(pytest.mark, mark))
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(key)))
 
 
 @pytest.fixture
@@ -27,18 +116,11 @@ def module_pg_url() -> Iterator[str]:
     harness.drop_pg_database(url)
 
 
-def _fresh_redis_url() -> str:
-    import redis
-
-    db = 1 + next(_redis_db) % 10  # 1..10; 11-15 are fixed by test packages that need their own
-    url = f"{harness.REDIS_URL}/{db}"
-    redis.Redis.from_url(url).flushdb()
-    return url
-
-
 @pytest.fixture
-def redis_url() -> str:
-    return _fresh_redis_url()
+def redis_url() -> Iterator[str]:
+    url = fresh_redis_url()
+    yield url
+    release_redis_url(url)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +132,8 @@ def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Stack
 
 @pytest.fixture(scope="module")
 def production(tmp_path_factory: pytest.TempPathFactory, module_pg_url: str) -> Iterator[harness.Stack]:
-    stack = harness.production_stack(
-        Path(tmp_path_factory.mktemp("production")), module_pg_url, _fresh_redis_url()
-    )
+    redis_url = fresh_redis_url()
+    stack = harness.production_stack(Path(tmp_path_factory.mktemp("production")), module_pg_url, redis_url)
     yield stack
     stack.stop()
+    release_redis_url(redis_url)

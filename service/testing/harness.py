@@ -241,9 +241,22 @@ def make_env(home: Path, **overrides: str) -> dict[str, str]:
         TORCHJOBS_SCHEDULER_INTERVAL_S="0.5",
         TORCHJOBS_SCHEDULER_IDLE_INTERVAL_S="1",
         OMP_NUM_THREADS="1",
+        **_master_ports_of_this_test_process(),
     )
     env.update(overrides)
     return env
+
+
+def _master_ports_of_this_test_process() -> dict[str, str]:
+    """Under pytest-xdist, each test process's stacks give their jobs masters from a range of
+    their own (29400 + 500 per process, below the kernel's ephemeral ports): two stacks'
+    schedulers do not know each other's ports, and a multi-node job binds its master on the
+    host network."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return {}
+    index = int(worker.removeprefix("gw") or 0)
+    return {"TORCHJOBS_MASTER_PORT_BASE": str(29400 + 500 * index), "TORCHJOBS_MASTER_PORT_SPAN": "500"}
 
 
 def embedded_stack(home: Path, env: dict[str, str] | None = None) -> Stack:

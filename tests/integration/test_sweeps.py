@@ -15,6 +15,7 @@ import pytest
 
 from service.testing import harness
 from service.testing.harness import Stack, script_job, wait_for
+from tests.redis_dbs import fresh_redis_url, release_redis_url
 
 ACTIVE = ("scheduled", "running", "cancelling")
 
@@ -27,10 +28,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, module_pg_url: str, redis_ur
 
 
 @pytest.fixture(scope="module")
-def redis_url() -> str:
-    from tests.conftest import _fresh_redis_url
-
-    return _fresh_redis_url()
+def redis_url() -> Iterator[str]:
+    url = fresh_redis_url()
+    yield url
+    release_redis_url(url)
 
 
 def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:

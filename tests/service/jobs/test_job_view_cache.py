@@ -300,9 +300,13 @@ def test_changes_made_while_the_feed_was_down_are_not_served(postgres_settings: 
         job_id = seed_job(app.elsewhere)
         app.get(job_id)
         with app.elsewhere.transaction() as session:
-            # kill the API's LISTEN connection, then commit before it is back
+            # kill the API's LISTEN connection (this database's only: other test processes'
+            # stacks listen too), then commit before it is back
             session.execute(
-                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'")
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE query LIKE 'LISTEN %' AND datname = current_database()"
+                )
             )
         with app.elsewhere.transaction() as session:
             set_job_state(session, job_id, "failed")

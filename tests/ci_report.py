@@ -1,0 +1,55 @@
+"""The suite's time per test folder, printed at the end of every run, with a warning once the
+whole CI run (both tiers of `.ci/test`) passes 40 minutes: CI's budget is 90, the team's bar 30,
+and a suite that creeps up is seen in the run that made it creep, not a week later."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from pathlib import PurePosixPath
+
+import pytest
+
+WARN_AFTER_S = 40 * 60
+_totals: dict[str, float] = defaultdict(float)
+_counts: dict[str, int] = defaultdict(int)
+_session_started = time.time()
+
+
+def folder_of(nodeid: str) -> str:
+    """`tests/service/jobs/test_x.py::test_y` -> `tests/service/jobs` (three levels at most)."""
+    parts = PurePosixPath(nodeid.split("::")[0]).parts[:-1]
+    return "/".join(parts[:3]) or "."
+
+
+def ci_started_at() -> float:
+    """When `.ci/test` began (it exports the epoch), else when this pytest began."""
+    try:
+        return float(os.environ["TORCHJOBS_CI_STARTED"])
+    except (KeyError, ValueError):
+        return _session_started
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    folder = folder_of(report.nodeid)
+    _totals[folder] += report.duration
+    if report.when == "call":
+        _counts[folder] += 1
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _totals:
+        return
+    terminalreporter.section("time per folder (setup + call + teardown)")
+    for folder, seconds in sorted(_totals.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  {_counts[folder]:5d} tests  {folder}")
+    terminalreporter.write_line(f"{sum(_totals.values()):8.1f} s  in all")
+    elapsed = time.time() - ci_started_at()
+    if elapsed > WARN_AFTER_S:
+        terminalreporter.write_line(
+            f"WARNING: the CI run has taken {elapsed / 60:.1f} min, past its {WARN_AFTER_S // 60}-minute "
+            "warning line: see the slowest tests above",
+            red=True,
+            bold=True,
+        )
