@@ -104,6 +104,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture
 def pg_url() -> Iterator[str]:
+    """A database at the newest migration (a copy of the session's migrated template)."""
+    url = harness.create_pg_database(migrated=True)
+    yield url
+    harness.drop_pg_database(url)
+
+
+@pytest.fixture
+def empty_pg_url() -> Iterator[str]:
+    """A database with nothing in it, for the tests of the migrations themselves."""
     url = harness.create_pg_database()
     yield url
     harness.drop_pg_database(url)
@@ -111,7 +120,7 @@ def pg_url() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def module_pg_url() -> Iterator[str]:
-    url = harness.create_pg_database()
+    url = harness.create_pg_database(migrated=True)
     yield url
     harness.drop_pg_database(url)
 

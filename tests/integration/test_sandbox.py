@@ -57,7 +57,7 @@ def walled(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield stack
         stack.stop()
         return
-    pg_url = harness.create_pg_database()
+    pg_url = harness.create_pg_database(migrated=True)
     env = _worker_env(home)
     extra = {k: env[k] for k in ("AWS_SECRET_ACCESS_KEY", "PYTHONPATH", "TORCHJOBS_RANK_ENV_ALLOW")}
     stack = harness.production_stack(home, pg_url, harness.REDIS_URL + "/12", {"w1": 3}, **extra)
@@ -213,10 +213,17 @@ def test_workers_show_their_isolation_and_only_the_callers_jobs(walled: Stack) -
     mine, theirs = walled.submit(_progress(200), carol), walled.submit(_progress(200), dave)
     for job in (mine, theirs):
         harness.wait_event(walled, job["id"], lambda e: e["type"] == "progress", timeout=120)
+    both = {mine["id"], theirs["id"]}
+    with walled.client() as c:  # the workers' job lists follow their reports: wait for both
+
+        def listing() -> list[dict] | None:
+            items = c.get("/v1/workers").json()["items"]
+            return items if both <= {j for w in items for j in w["jobs"]} else None
+
+        everything = harness.wait_for(listing, 30, f"the admin's worker list to show jobs {both}")
     with walled.client(carol) as c:
         seen = c.get("/v1/workers").json()["items"]
     with walled.client() as c:
-        everything = c.get("/v1/workers").json()["items"]
         for job in (mine, theirs):
             c.post(f"/v1/jobs/{job['id']}/cancel")
     assert all(w["isolation"] == "sandbox" for w in seen)

@@ -32,7 +32,7 @@ BAD = ("nul", "surrogate")
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """An API server and its database, no worker: submitted jobs are judged and then wait."""
     home = Path(tmp_path_factory.mktemp(f"strings-{request.param}"))
-    pg = harness.create_pg_database() if request.param == "postgresql" else None
+    pg = harness.create_pg_database(migrated=True) if request.param == "postgresql" else None
     env = harness.make_env(home, **({"TORCHJOBS_DATABASE_URL": pg} if pg else {}))
     subprocess.run(harness.torchjobs_cmd("db", "upgrade"), env=env, check=True, capture_output=True)
     stack = Stack(home=home, env=env, port=harness.free_port(), embedded=False)

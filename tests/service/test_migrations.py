@@ -26,8 +26,8 @@ def check_round_trip(settings: Settings) -> None:
     engine.dispose()
 
 
-def test_migrations_match_models_on_postgresql(pg_url: str) -> None:
-    check_round_trip(Settings(database_url=pg_url))
+def test_migrations_match_models_on_postgresql(empty_pg_url: str) -> None:
+    check_round_trip(Settings(database_url=empty_pg_url))
 
 
 def test_migrations_match_models_on_sqlite(tmp_path: Path) -> None:
@@ -77,7 +77,11 @@ def test_upgrading_a_database_that_holds_jobs_keeps_their_history(
     """A table rebuilt by a batch migration on SQLite (copy, DROP, rename) must not take the
     rows that point at it with it through their cascading keys: every upgrade from 0008, and
     the way back, keeps every job's events, attempts and node runs."""
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}" if database == "sqlite" else request.getfixturevalue("pg_url")
+    url = (
+        f"sqlite:///{tmp_path / 'db.sqlite'}"
+        if database == "sqlite"
+        else request.getfixturevalue("empty_pg_url")
+    )
     settings = Settings(database_url=url)
     upgrade(settings, "0008")
     engine_url = url.replace("postgresql://", "postgresql+psycopg://")

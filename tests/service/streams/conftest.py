@@ -24,7 +24,7 @@ def prod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[harness.Stack]:
     import redis
 
     home = Path(tmp_path_factory.mktemp("streams-production"))
-    pg_url = harness.create_pg_database()
+    pg_url = harness.create_pg_database(migrated=True)
     redis_url = f"{harness.REDIS_URL}/{REDIS_DB}"
     redis.Redis.from_url(redis_url).flushdb()
     env = harness.make_env(

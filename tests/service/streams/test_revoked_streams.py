@@ -28,7 +28,7 @@ def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
         yield s
         s.stop()
         return
-    pg = harness.create_pg_database()
+    pg = harness.create_pg_database(migrated=True)
     s = harness.production_stack(tmp_path, pg, f"{harness.REDIS_URL}/13", TORCHJOBS_STREAM_RECHECK_S="2")
     yield s
     s.stop()

@@ -10,7 +10,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from service.testing import harness
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -53,9 +54,10 @@ def make_config(mode: str = "single", **hyper: Any) -> dict[str, Any]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Below the kernel's ephemeral range (harness.free_port): a port bound to 0 is one the
+    kernel may hand to the next outgoing connection (EADDRINUSE for torchrun's store, seen
+    with two test processes)."""
+    return harness.free_port()
 
 
 def child_env(**extra: str) -> dict[str, str]:
