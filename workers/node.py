@@ -21,7 +21,7 @@ from workers.context import WorkerContext
 from workers.environments import EnvironmentFailed, ensure_environment
 from workers.launcher.cgroups import NodeGroup, host_memory
 from workers.launcher.command import NodeLaunch, NodePaths, build_launch, environment_log_of
-from workers.launcher.devices import device_files
+from workers.launcher.devices import cuda_visible, device_files
 from workers.launcher.run_dir import remove_run_dir, tmp_root
 from workers.launcher.sandbox import Isolation
 from workers.launcher.supervisor import Hooks, NodeSupervisor
@@ -141,7 +141,7 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         master_addr = "127.0.0.1"
     gpus = fields["gpus"]
     assert isinstance(gpus, tuple)
-    device_ids = tuple(ctx.gpu_ids[g] for g in gpus) if ctx.gpu_ids else ()
+    device_ids = cuda_visible(tuple(ctx.gpu_ids[g] for g in gpus), ctx.host_gpus) if ctx.gpu_ids else ()
     cuda_sandbox = ctx.isolation.sandboxed and ctx.accelerator == "cuda"
     return NodeLaunch(
         **fields,

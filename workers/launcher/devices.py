@@ -51,6 +51,25 @@ def device_files(ids: Sequence[str], gpus: Sequence[Gpu]) -> tuple[str, ...]:
     return (*NVIDIA_CONTROL, *listed, *caps)
 
 
+def cuda_visible(ids: Sequence[str], gpus: Sequence[Gpu]) -> tuple[str, ...]:
+    """What a node's ranks get as CUDA_VISIBLE_DEVICES: each of its GPUs by full UUID wherever
+    nvidia-smi told which card an id is. A sandbox holds only the node's own cards, and CUDA
+    numbers the cards it finds from 0, so a host index (`1`, or `5` on a worker given `4-7`)
+    names a card that is not there, or another one; a UUID names the same card inside the
+    sandbox and out, whatever CUDA_DEVICE_ORDER says. MIG names are already unique; an id that
+    cannot be told is left as it is (the sandbox then holds every card, see device_files)."""
+    return tuple(_uuid(i, gpus) or i for i in ids)
+
+
+def _uuid(device_id: str, gpus: Sequence[Gpu]) -> str | None:
+    if device_id.isdigit():
+        return next((g.uuid for g in gpus if g.index == int(device_id)), None)
+    if device_id.startswith("GPU-"):
+        found = [g.uuid for g in gpus if g.uuid.startswith(device_id)]
+        return found[0] if len(found) == 1 else None
+    return None
+
+
 def _card(device_id: str, gpus: Sequence[Gpu]) -> int | None:
     if device_id.isdigit():
         return next((g.minor for g in gpus if g.index == int(device_id)), None)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from workers.launcher.command import NodeLaunch, build_launch
-from workers.launcher.devices import Gpu, device_files, slot_ids
+from workers.launcher.devices import Gpu, cuda_visible, device_files, slot_ids
 from workers.launcher.sandbox import Isolation
 
 HOST = (
@@ -70,3 +70,21 @@ def test_a_gpu_it_cannot_tell_binds_every_card() -> None:
     control = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
     assert device_files(("MIG-1234-abcd/0/0",), HOST)[: 4 + len(every)] == (*control, *every)
     assert device_files(("6",), ())[: 4 + len(every)] == (*control, *every)
+
+
+def test_the_ranks_name_their_gpus_by_uuid_so_the_sandboxs_numbering_cannot_mislead() -> None:
+    """In a sandbox holding only /dev/nvidia5, CUDA calls that card 0: "5" would name nothing
+    (#37). Index, UUID prefix and full UUID all become the card's full UUID; MIG names and ids
+    nvidia-smi could not tell stay as they are."""
+    assert cuda_visible(("5",), HOST) == ("GPU-cccc5555-5555",)
+    assert cuda_visible(("6", "7"), HOST) == ("GPU-dddd6666-6666", "GPU-eeee7777-7777")
+    assert cuda_visible(("GPU-cccc",), HOST) == ("GPU-cccc5555-5555",)
+    assert cuda_visible(("GPU-eeee7777-7777",), HOST) == ("GPU-eeee7777-7777",)
+    assert cuda_visible(("MIG-1234-abcd/0/0",), HOST) == ("MIG-1234-abcd/0/0",)
+    assert cuda_visible(("3",), HOST) == ("3",)  # not in nvidia-smi's list: as given
+    assert cuda_visible(("5",), ()) == ("5",)  # no nvidia-smi: the sandbox holds every card
+    ids = cuda_visible(slot_ids("4,5,6,7", 4)[2:], HOST)
+    launch = _cuda_launch(ids, (2, 3), sandboxed=True)
+    assert build_launch(launch).env["CUDA_VISIBLE_DEVICES"] == "GPU-dddd6666-6666,GPU-eeee7777-7777"
+    bound = {a for a in build_launch(launch).argv if a.startswith("/dev/nvidia")}
+    assert {"/dev/nvidia6", "/dev/nvidia7"} <= bound and "/dev/nvidia5" not in bound
