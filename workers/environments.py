@@ -2,11 +2,14 @@
 
 The build layers the job's packages over the worker's own Python, never into it:
 
-1. `uv pip compile` resolves the requirements with every package the worker has pinned at its
-   installed version (torch above all). A requirement that would need another torch, or another
-   version of anything the worker holds, fails here with uv's own reason.
-2. What the resolution adds to the worker's packages is installed with `uv pip install
-   --no-deps --target` into a folder of its own, which the ranks put first on `PYTHONPATH`.
+1. `uv pip install --dry-run --python <the worker's Python>` resolves the requirements against
+   the worker's installed packages, each pinned at its installed version (torch above all). An
+   installed package satisfies a requirement as it is, so no index is asked about it: a torch
+   from a local wheel, `+cpu` or `+cu126`, is never looked for in an index that does not hold
+   it. A requirement that would need another torch, or another version of anything the
+   worker holds, fails here with uv's own reason. Nothing is installed by this step.
+2. What the plan adds to the worker's packages is installed with `uv pip install --no-deps
+   --target` into a folder of its own, which the ranks put first on `PYTHONPATH`.
 
 Only wheels are taken (`--no-build`): building a source distribution would run its code with
 the worker's rights. Concurrent nodes with the same set wait on a file lock for one build; a
@@ -108,16 +111,17 @@ def _build(settings: Settings, requirements: list[str], dest: Path, log: Path) -
         pins = sorted(f"{n}=={v}" for n, v in worker_packages().items() if n != "torchjobs")
         (staging / "worker.txt").write_text("\n".join(pins) + "\n")
         _say(log, f"environment: building for {', '.join(requirements)}\n")
-        _uv(
-            settings, log, "compile", "requirements.in", "-c", "worker.txt", "-o", "resolved.txt", cwd=staging
-        )
-        extra = _not_in_worker(staging / "resolved.txt")
+        plan = _uv(
+            settings, log, "install", "--dry-run", *_plan_args(), "-r", "requirements.in", "-c", "worker.txt",
+            cwd=staging,
+        )  # fmt: skip
+        extra = planned_additions(plan)
         (staging / "install.txt").write_text("\n".join(extra) + "\n")
         if extra:
             _uv(settings, log, "install", "--no-deps", "--target", READY, "-r", "install.txt", cwd=staging)
         else:
             (staging / READY).mkdir()
-        for name in ("requirements.in", "worker.txt", "resolved.txt", "install.txt"):
+        for name in ("requirements.in", "worker.txt", "install.txt"):
             (staging / name).unlink()  # every job can read the cache: keep no one's requirements there
         staging.rename(dest)
     except BaseException:
@@ -125,7 +129,14 @@ def _build(settings: Settings, requirements: list[str], dest: Path, log: Path) -
         raise
 
 
-def _uv(settings: Settings, log: Path, command: str, *args: str, cwd: Path) -> None:
+def _plan_args() -> list[str]:
+    """A system Python (no virtual environment) may be marked externally managed; the plan is
+    a dry run, so it breaks nothing there."""
+    return ["--break-system-packages"] if sys.prefix == sys.base_prefix else []
+
+
+def _uv(settings: Settings, log: Path, command: str, *args: str, cwd: Path) -> str:
+    """Run uv, its output appended to `log`; returns what it wrote this time."""
     argv = [
         *uv_command(),
         "pip",
@@ -133,7 +144,6 @@ def _uv(settings: Settings, log: Path, command: str, *args: str, cwd: Path) -> N
         "--python",
         sys.executable,
         "--no-build",
-        *(["--no-header", "--no-annotate"] if command == "compile" else []),
         *args,
         *shlex.split(settings.env_installer_args),
     ]
@@ -162,6 +172,7 @@ def _uv(settings: Settings, log: Path, command: str, *args: str, cwd: Path) -> N
             ) from None
     if done.returncode != 0:
         raise EnvironmentFailed(_reason(log, start))
+    return _written(log, start)
 
 
 def uv_command() -> list[str]:
@@ -172,30 +183,36 @@ def uv_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "uv"]
 
 
-def _not_in_worker(resolved: Path) -> list[str]:
-    """The resolved pins the worker does not already have at that very version."""
-    have = worker_packages()
+def planned_additions(plan: str) -> list[str]:
+    """The `name==version` lines uv's dry run would add (` + name==version`). A line taking a
+    package away (` - name==version`) means the plan would replace one of the worker's own,
+    which the constraints forbid: refused rather than layered over."""
     extra = []
-    for line in resolved.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line or line.startswith("-"):
+    for line in plan.splitlines():
+        text = line.strip()
+        if text.startswith("- "):
+            raise EnvironmentFailed(f"the installer would replace the worker's {text[2:]}")
+        if not text.startswith("+ "):
             continue
         try:
-            req = Requirement(line)
+            req = Requirement(text[2:].strip())
         except InvalidRequirement as exc:
-            raise EnvironmentFailed(f"the installer resolved {line!r}, which cannot be read: {exc}") from exc
-        pinned = next((s.version for s in req.specifier if s.operator == "=="), None)
-        if have.get(canonicalize_name(req.name)) != pinned:
-            extra.append(line)
+            raise EnvironmentFailed(f"the installer planned {text!r}, which cannot be read: {exc}") from exc
+        if not any(spec.operator == "==" for spec in req.specifier):
+            raise EnvironmentFailed(f"the installer planned {text!r}, which names no version")
+        extra.append(str(req))
     return extra
+
+
+def _written(log: Path, start: int) -> str:
+    with log.open("rb") as fh:
+        fh.seek(start)
+        return fh.read().decode(errors="replace")
 
 
 def _reason(log: Path, start: int) -> str:
     """uv's own words: the last lines it wrote this time, without blank ones."""
-    with log.open("rb") as fh:
-        fh.seek(start)
-        text = fh.read().decode(errors="replace")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in _written(log, start).splitlines() if ln.strip()]
     return " ".join(lines[-6:])[-2000:] or "the installer failed"
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from service.config import Settings
-from workers.environments import EnvironmentFailed, ensure_environment, worker_packages
+from workers.environments import EnvironmentFailed, ensure_environment, planned_additions, worker_packages
 
 FIND_LINKS = Path("/opt/wheels")  # where this machine's CPU torch comes from (see README)
 
@@ -40,6 +40,15 @@ def test_concurrent_nodes_wait_for_one_build_then_reuse_it(tmp_path: Path) -> No
     assert not list((s.cache_dir / "envs").glob(".*building*"))
 
 
+def test_a_requirement_on_the_workers_own_torch_needs_no_admin_setting(tmp_path: Path) -> None:
+    """accelerate depends on torch; this worker's torch came from a local wheel (`+cpu`) that
+    no index holds. The installed torch satisfies it as it is (#37): no index is asked for
+    torch, nothing needs TORCHJOBS_ENV_INSTALLER_ARGS, and torch is not installed again."""
+    built = ensure_environment(Settings(home=tmp_path), ["accelerate==1.15.0"], tmp_path / "log")
+    names = {p.name.split("-")[0].lower() for p in built.site.glob("*.dist-info")}
+    assert "accelerate" in names and "torch" not in names, names
+
+
 def test_what_the_worker_has_is_not_installed_again(tmp_path: Path) -> None:
     version = worker_packages()["packaging"]
     built = ensure_environment(settings(tmp_path), [f"packaging=={version}"], tmp_path / "log")
@@ -62,3 +71,14 @@ def test_a_build_that_cannot_be_made_fails_with_uvs_reason(
         ensure_environment(s, [requirement], tmp_path / "log")
     assert reason in str(failed.value) and "unsatisfiable" in str(failed.value)
     assert [p for p in (s.cache_dir / "envs").iterdir() if not p.name.startswith(".")] == []
+
+
+def test_the_plan_adds_only_and_never_replaces_the_workers_own() -> None:
+    plan = (
+        "Using Python 3.11.7 environment at: /venv\nResolved 14 packages in 80ms\n"
+        "Would download 2 packages\nWould install 2 packages\n + accelerate==1.15.0\n + psutil==7.2.2\n"
+    )
+    assert planned_additions(plan) == ["accelerate==1.15.0", "psutil==7.2.2"]
+    assert planned_additions("Audited 1 package in 3ms\nWould make no changes\n") == []
+    with pytest.raises(EnvironmentFailed, match="would replace the worker's torch==2.13.0"):
+        planned_additions(" - torch==2.13.0\n + torch==2.4.0\n")
