@@ -42,7 +42,15 @@ class Statements:
 
 @pytest.fixture
 def client(pg_url: str, tmp_path: Path) -> Iterator[tuple[TestClient, Statements]]:
-    settings = Settings(home=tmp_path, database_url=pg_url, broker_url="filesystem://", admin_token=TOKEN)
+    # a TTL no loaded machine outlasts: the counts are about what is cached, not for how long
+    # (5 s passed between two requests of a test once, with the suite on both cores)
+    settings = Settings(
+        home=tmp_path,
+        database_url=pg_url,
+        broker_url="filesystem://",
+        admin_token=TOKEN,
+        job_view_cache_ttl_s=300,
+    )
     upgrade(settings)
     app = create_app(settings, scheduler=False)
     seen = Statements()
