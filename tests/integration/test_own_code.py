@@ -348,3 +348,31 @@ def test_code_ls_list_code_and_a_second_submit_uploads_nothing(
     assert str(newer["files"]) in lines[0] and str(newer["size_bytes"]) in lines[0]
     for job_id in (first, second):
         assert embedded.wait_job(job_id)["state"] == "succeeded", embedded.describe(job_id)
+
+
+# ---------------------------------------------------------------- a framework over the worker's torch
+
+HF_TRAINER = Path(__file__).resolve().parents[1] / "sandbox_code" / "hf_trainer"
+
+
+def test_a_hugging_face_trainer_job_builds_its_environment_over_the_workers_torch(
+    embedded: harness.Stack,
+) -> None:
+    """transformers and accelerate depend on torch; this worker's torch is a local `+cpu` wheel
+    no index holds, and the stack sets no installer arguments (#37). The environment builds
+    over the installed torch and the Trainer trains."""
+    with Client(embedded.url, harness.ADMIN_TOKEN) as client:
+        code = client.push_code(HF_TRAINER)["id"]
+    spec = {
+        "name": "hf-trainer",
+        "mode": "single",
+        "code": code,
+        "entrypoint": {"kind": "script", "path": "train.py"},
+        "environment": {"pip": ["transformers==5.25.0", "accelerate==1.15.0"]},
+    }
+    job = embedded.wait_job(embedded.submit(spec)["id"], timeout=600)
+    assert job["state"] == "succeeded", embedded.describe(job["id"])
+    with embedded.client() as c:
+        log = c.get(f"/v1/jobs/{job['id']}/logs").text
+    assert "hf-trainer done: steps=8" in log, log[-3000:]
+    assert "environment: building for transformers==5.25.0, accelerate==1.15.0" in log

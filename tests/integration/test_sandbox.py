@@ -210,7 +210,9 @@ def test_an_unsandboxed_worker_takes_only_the_admins_jobs(tmp_path: Path) -> Non
 
 def test_workers_show_their_isolation_and_only_the_callers_jobs(walled: Stack) -> None:
     carol, dave = _user(walled, f"carol{walled.port}"), _user(walled, f"dave{walled.port}")
-    mine, theirs = walled.submit(_progress(200), carol), walled.submit(_progress(200), dave)
+    # 200 s each (cancelled below): both must still run when the second has started, on a
+    # machine busy enough that 10 s jobs did not (the first had ended)
+    mine, theirs = walled.submit(_progress(4000), carol), walled.submit(_progress(4000), dave)
     for job in (mine, theirs):
         harness.wait_event(walled, job["id"], lambda e: e["type"] == "progress", timeout=120)
     both = {mine["id"], theirs["id"]}
