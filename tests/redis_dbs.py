@@ -8,16 +8,7 @@ which xdist keeps in one process.
 
 from __future__ import annotations
 
-import os
-
 from service.testing import harness
-
-
-def worker_index() -> tuple[int, int]:
-    """(this process's index, the number of processes) under pytest-xdist; (0, 1) without."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    return int(worker.removeprefix("gw") or 0), max(count, 1)
 
 
 def pool(index: int, count: int) -> list[int]:
@@ -25,7 +16,7 @@ def pool(index: int, count: int) -> list[int]:
     return [db for db in range(1, 12) if (db - 1) % count == index]
 
 
-_free = pool(*worker_index())
+_free = pool(*harness.xdist_process())
 
 
 def fresh_redis_url() -> str:

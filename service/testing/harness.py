@@ -7,6 +7,7 @@ against a real SQLite file or a real PostgreSQL database and Redis.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -76,9 +77,7 @@ def _pg_url(name: str) -> str:
     return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
 
 
-_templates: dict[str, str] = {}
-
-
+@functools.cache
 def migrated_template() -> str:
     """The template database at the repository's newest migration, named after a digest of the
     migrations folder (a changed migration makes a new one). Made under a temporary name and
@@ -93,13 +92,10 @@ def migrated_template() -> str:
     for path in sorted(MIGRATIONS_DIR.rglob("*.py")):
         digest.update(path.relative_to(MIGRATIONS_DIR).as_posix().encode() + path.read_bytes())
     name = f"tj_template_{digest.hexdigest()[:16]}"
-    if name in _templates:
-        return name
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
     if not exists:
         _make_template(name)
-    _templates[name] = name
     return name
 
 
@@ -306,15 +302,22 @@ def make_env(home: Path, **overrides: str) -> dict[str, str]:
     return env
 
 
+def xdist_process() -> tuple[int, int]:
+    """(this test process's index, the number of test processes) under pytest-xdist; (0, 1)
+    without it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return int(worker.removeprefix("gw") or 0), max(count, 1)
+
+
 def _master_ports_of_this_test_process() -> dict[str, str]:
     """Under pytest-xdist, each test process's stacks give their jobs masters from a range of
     their own (29400 + 500 per process, below the kernel's ephemeral ports): two stacks'
     schedulers do not know each other's ports, and a multi-node job binds its master on the
     host network."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if not worker.startswith("gw"):
+    index, count = xdist_process()
+    if count == 1:
         return {}
-    index = int(worker.removeprefix("gw") or 0)
     return {"TORCHJOBS_MASTER_PORT_BASE": str(29400 + 500 * index), "TORCHJOBS_MASTER_PORT_SPAN": "500"}
 
 

@@ -58,23 +58,20 @@ def cuda_visible(ids: Sequence[str], gpus: Sequence[Gpu]) -> tuple[str, ...]:
     names a card that is not there, or another one; a UUID names the same card inside the
     sandbox and out, whatever CUDA_DEVICE_ORDER says. MIG names are already unique; an id that
     cannot be told is left as it is (the sandbox then holds every card, see device_files)."""
-    return tuple(_uuid(i, gpus) or i for i in ids)
-
-
-def _uuid(device_id: str, gpus: Sequence[Gpu]) -> str | None:
-    if device_id.isdigit():
-        return next((g.uuid for g in gpus if g.index == int(device_id)), None)
-    if device_id.startswith("GPU-"):
-        found = [g.uuid for g in gpus if g.uuid.startswith(device_id)]
-        return found[0] if len(found) == 1 else None
-    return None
+    return tuple(gpu.uuid if (gpu := _gpu(i, gpus)) else i for i in ids)
 
 
 def _card(device_id: str, gpus: Sequence[Gpu]) -> int | None:
+    gpu = _gpu(device_id, gpus)
+    return gpu.minor if gpu else None
+
+
+def _gpu(device_id: str, gpus: Sequence[Gpu]) -> Gpu | None:
+    """The card an id names: by index, or by a unique UUID prefix (as CUDA takes it)."""
     if device_id.isdigit():
-        return next((g.minor for g in gpus if g.index == int(device_id)), None)
+        return next((g for g in gpus if g.index == int(device_id)), None)
     if device_id.startswith("GPU-"):
-        found = [g.minor for g in gpus if g.uuid.startswith(device_id)]
+        found = [g for g in gpus if g.uuid.startswith(device_id)]
         return found[0] if len(found) == 1 else None
     return None  # MIG-…: its parent GPU is not in the name
 
