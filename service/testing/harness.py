@@ -59,6 +59,18 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+def job_run_dirs(home: Path, job_id: int) -> list[Path]:
+    """The job's run folders on every worker of this home (`runs/<worker>/job-N/attempt-A/node-R`).
+    The worker removes them as the job ends: a folder listed and gone before it is read makes
+    pathlib's glob raise, so the listing is tried again."""
+    for _ in range(20):
+        try:
+            return sorted(home.glob(f"runs/*/job-{job_id}/attempt-*/node-*"))
+        except FileNotFoundError:
+            time.sleep(0.05)
+    return sorted(home.glob(f"runs/*/job-{job_id}/attempt-*/node-*"))
+
+
 def create_pg_database(migrated: bool = False) -> str:
     """A fresh PostgreSQL database; returns its URL. `migrated`: a copy of a template that the
     migrations were applied to once (per set of migrations, shared by every test process), not
@@ -270,9 +282,12 @@ class Stack:
             parts.append(f"the API did not answer: {exc!r}")
         for log in [
             *sorted(self.home.glob("*.log")),
-            *sorted(self.home.glob(f"**/job-{job_id}/*/*/agent.log")),
+            *sorted(p / "agent.log" for p in job_run_dirs(self.home, job_id)),
         ]:
-            tail = log.read_text(errors="replace").splitlines()[-40:]
+            try:
+                tail = log.read_text(errors="replace").splitlines()[-40:]
+            except FileNotFoundError:  # its run folder removed meanwhile
+                continue
             parts.append(f"--- {log.name} (last {len(tail)} lines)\n" + "\n".join(tail))
         return "\n".join(parts)
 

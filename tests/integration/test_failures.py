@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -217,51 +218,66 @@ def test_same_message_twice_does_not_start_a_second_copy(stack: Stack) -> None:
     assert stack.wait_job(job["id"], timeout=60)["state"] == "cancelled"
 
 
-def restart_redis() -> None:
-    """Stop the real Redis server and start it again with the command CI uses."""
-    import subprocess
+class OwnRedis:
+    """A real Redis server of this test's own, on a port of its own: stopping it cuts no other
+    test's broker (the suite runs in two processes; the shared server on 6379 stays up)."""
 
-    subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", "6379", "shutdown", "nosave"], capture_output=True)
-    wait_for(
-        lambda: subprocess.run(["redis-cli", "ping"], capture_output=True).returncode != 0 or None,
-        15,
-        "redis to stop",
-    )
-    time.sleep(2)
-    subprocess.run(
-        [
-            "redis-server",
-            "--daemonize",
-            "yes",
-            "--bind",
-            "127.0.0.1",
-            "-::1",
-            "--port",
-            "6379",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            "/var/lib/redis",
-            "--logfile",
-            "/var/log/redis/ci.log",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    wait_for(
-        lambda: subprocess.run(["redis-cli", "ping"], capture_output=True).returncode == 0 or None,
-        15,
-        "redis to start",
-    )
+    def __init__(self, workdir: Path) -> None:
+        self.port = harness.free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _ping(self) -> bool:
+        ping = subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True)
+        return ping.returncode == 0
+
+    def start(self) -> None:
+        argv = ["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--dir", str(self.workdir)]
+        log = (self.workdir / "redis.log").open("ab")
+        self.proc = subprocess.Popen([*argv, "--save", "", "--appendonly", "no"], stdout=log, stderr=log)
+        wait_for(lambda: self._ping() or None, 15, "redis to start")
+
+    def stop(self) -> None:
+        """Its queued messages go with it (no save): what a crashed broker loses."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=15)
+            self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        time.sleep(2)
+        self.start()
 
 
-def test_redis_restart_mid_job(stack: Stack) -> None:
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
+    workdir = tmp_path / "redis"
+    workdir.mkdir()
+    server = OwnRedis(workdir)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_redis_restart_mid_job(tmp_path: Path, pg_url: str, own_redis: OwnRedis) -> None:
+    (tmp_path / "stack").mkdir()
+    stack = harness.production_stack(tmp_path / "stack", pg_url, own_redis.url, workers={"w1": 2})
+    try:
+        _jobs_outlive_a_broker_restart(stack, own_redis)
+    finally:
+        stack.stop()
+
+
+def _jobs_outlive_a_broker_restart(stack: Stack, broker: OwnRedis) -> None:
     spec = SHORT_SINGLE
     job = stack.submit(spec)
     wait_event(stack, job["id"], lambda e: e["type"] == "progress")
-    restart_redis()  # the queued message of the next job was lost with it: it is sent again
+    broker.restart()  # the queued message of the next job was lost with it: it is sent again
     second = stack.submit(spec)
     for j in (job, second):
         done = stack.wait_job(j["id"], timeout=300)

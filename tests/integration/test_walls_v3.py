@@ -68,7 +68,7 @@ def _nothing_left(stack: Stack, job_id: int) -> None:
     assert harness.wait_for(
         lambda: not harness.pids_of_job(job_id, stack.home), 30, "the job's processes gone"
     )
-    runs = list(stack.home.glob(f"**/job-{job_id}/attempt-*/node-*"))
+    runs = harness.job_run_dirs(stack.home, job_id)
     # the worker removes the run folder after it has reported the end: soon, not at once
     harness.wait_for(lambda: not [p for p in runs if p.is_dir()], 60, f"the run folders to go: {runs}")
     for run_dir in runs:
