@@ -1,0 +1,24 @@
+"""checkpoints as frameworks write them: folders, files, node parts (contract §11, v3)
+
+Revision ID: 0014
+Revises: 0013
+Create Date: 2026-12-04 16:30:00
+"""
+
+from collections.abc import Sequence
+
+import sqlalchemy as sa  # noqa: F401
+from alembic import op  # noqa: F401
+
+revision: str = "0014"
+down_revision: str | None = "0013"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    pass
+
+
+def downgrade() -> None:
+    pass
