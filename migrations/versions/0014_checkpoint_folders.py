@@ -7,8 +7,8 @@ Create Date: 2026-12-04 16:30:00
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa  # noqa: F401
-from alembic import op  # noqa: F401
+import sqlalchemy as sa
+from alembic import op
 
 revision: str = "0014"
 down_revision: str | None = "0013"
@@ -17,8 +17,28 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    pass
+    with op.batch_alter_table("checkpoints") as batch:
+        batch.add_column(sa.Column("kind", sa.String(16), server_default="file", nullable=False))
+        batch.add_column(sa.Column("files", sa.Integer(), server_default="1", nullable=False))
+    op.create_table(
+        "checkpoint_files",
+        sa.Column("id", sa.Integer(), primary_key=True),
+        sa.Column(
+            "checkpoint_id", sa.Integer(), sa.ForeignKey("checkpoints.id", ondelete="CASCADE"), nullable=False
+        ),
+        sa.Column("path", sa.String(1024), nullable=False),
+        sa.Column("size_bytes", sa.BigInteger(), nullable=False),
+        sa.Column("sha256", sa.String(64), nullable=False),
+        sa.Column("node_rank", sa.Integer(), nullable=False),
+        sa.Column("storage_key", sa.String(1024), nullable=False),
+        sa.UniqueConstraint("checkpoint_id", "path"),
+    )
+    op.create_index("ix_checkpoint_files_checkpoint_id", "checkpoint_files", ["checkpoint_id"])
 
 
 def downgrade() -> None:
-    pass
+    op.drop_index("ix_checkpoint_files_checkpoint_id", "checkpoint_files")
+    op.drop_table("checkpoint_files")
+    with op.batch_alter_table("checkpoints") as batch:
+        batch.drop_column("files")
+        batch.drop_column("kind")

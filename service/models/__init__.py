@@ -1,7 +1,7 @@
 """All tables; importing this module registers every model on `Base.metadata`."""
 
 from service.models.base import Base, UTCDateTime, utcnow
-from service.models.checkpoints import Checkpoint
+from service.models.checkpoints import Checkpoint, CheckpointFile
 from service.models.code import CodeArchive
 from service.models.jobs import GpuAllocation, Job, JobAttempt, JobDependency, JobEvent, LogChunk, NodeRun
 from service.models.users import User
@@ -11,6 +11,7 @@ from service.models.workers import Worker
 __all__ = [
     "Base",
     "Checkpoint",
+    "CheckpointFile",
     "CodeArchive",
     "GpuAllocation",
     "Job",
