@@ -231,6 +231,8 @@ def _ddp_rank(rank: int, world: int, init: str, out_dir: str) -> None:
             results[f"moments-{kind}-{spread}"] = _moments_case(
                 DistributedBatchNorm, rank, kind, spread, MOMENT_SIZES
             )
+        for kind, dtype in LOWP_CASES:
+            results[f"lowp-{kind}-{dtype}"] = _lowp_case(DistributedBatchNorm, rank, kind, dtype)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -403,3 +405,100 @@ def test_dataparallel_batchnorm_variance_is_stable_far_from_zero(kind: str, spre
         "running_var": bn.running_var,
     }
     _assert_matches_global_batchnorm(got, kind, spread)
+
+
+# ------------------------------------------------------------------------------------------ low precision
+#
+# Under autocast the activations reaching BatchNorm are fp16 or bf16 while its parameters stay
+# float32. Native BatchNorm computes its statistics and its weight and bias gradient sums in
+# float32 and rounds only the output and the input gradient; so must both synchronised layers.
+# The fp16 cases carry gradients as GradScaler leaves them (scaled up): per channel their sum
+# passes fp16's largest value, 65504, and was `inf` when the layer summed in fp16.
+
+LOWP_CASES = [("2d", torch.bfloat16), ("2d", torch.float16), ("1d", torch.bfloat16)]
+LOWP_SIZES = [6, 2]
+FP16_GRAD_SCALE = 1024.0
+
+
+def _lowp_inputs(kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input in `dtype`, the incoming gradient in `dtype`: positive, so its sums grow)."""
+    g = torch.Generator().manual_seed(11)
+    shape = (sum(LOWP_SIZES), 3, 4, 4) if kind == "2d" else (sum(LOWP_SIZES), 3)
+    x = (torch.randn(shape, generator=g) * 2.0 + 0.5).to(dtype)
+    scale = FP16_GRAD_SCALE if dtype == torch.float16 else 1.0
+    dy = ((torch.rand(shape, generator=g) + 0.5) * scale).to(dtype)
+    return x, dy
+
+
+def _lowp_run(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, torch.Tensor]:
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    out.backward(dy)
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "weight_grad": layer.weight.grad,
+        "bias_grad": layer.bias.grad,
+        "running_var": layer.running_var.clone(),
+    }
+
+
+def _lowp_case(cls: type[nn.Module], rank: int, kind: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    x, dy = _lowp_inputs(kind, dtype)
+    start = sum(LOWP_SIZES[:rank])
+    mine = slice(start, start + LOWP_SIZES[rank])
+    return _lowp_run(_moment_layer(cls).train(), x[mine], dy[mine])
+
+
+def _assert_lowp_matches_float64(got: dict[str, torch.Tensor], kind: str, dtype: torch.dtype) -> None:
+    x, dy = _lowp_inputs(kind, dtype)
+    native = _moment_layer(nn.BatchNorm2d if kind == "2d" else nn.BatchNorm1d).double().train()
+    exact = _lowp_run(native, x.double(), dy.double())
+    if dtype == torch.float16:
+        assert exact["bias_grad"].abs().max() > 65504  # past fp16: a real test of the float32 sums
+    for key in ("weight_grad", "bias_grad"):  # float32, like the parameters: no rounding to dtype
+        assert got[key].dtype == torch.float32, key
+        torch.testing.assert_close(got[key].double(), exact[key], rtol=1e-5, atol=1e-5, msg=key)
+    torch.testing.assert_close(got["running_var"].double(), exact["running_var"], rtol=1e-5, atol=1e-6)
+    ulp = torch.finfo(dtype).eps
+    for key in ("out", "x_grad"):  # rounded once, to the input's dtype
+        assert got[key].dtype == dtype, key
+        bound = ulp * float(exact[key].abs().max())
+        torch.testing.assert_close(got[key].double(), exact[key], rtol=ulp, atol=bound, msg=key)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), LOWP_CASES)
+def test_cpu_ddp_batchnorm_in_low_precision_sums_in_float32(
+    ddp_ranks: list[dict[str, Any]], kind: str, dtype: torch.dtype
+) -> None:
+    got = [r[f"lowp-{kind}-{dtype}"] for r in ddp_ranks]
+    merged = {
+        "out": torch.cat([g["out"] for g in got]),
+        "x_grad": torch.cat([g["x_grad"] for g in got]),
+        "weight_grad": got[0]["weight_grad"] + got[1]["weight_grad"],
+        "bias_grad": got[0]["bias_grad"] + got[1]["bias_grad"],
+        "running_var": got[0]["running_var"],
+    }
+    _assert_lowp_matches_float64(merged, kind, dtype)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), LOWP_CASES)
+def test_dataparallel_batchnorm_in_low_precision_sums_in_float32(kind: str, dtype: torch.dtype) -> None:
+    layer = convert_replica_batchnorm(
+        nn.Sequential(_moment_layer(nn.BatchNorm2d if kind == "2d" else nn.BatchNorm1d))
+    )
+    x, dy = _lowp_inputs(kind, dtype)
+    x.requires_grad_()
+    replicas = cpu_replicate(layer.train(), len(LOWP_SIZES))
+    syncs = attach_replica_sync(replicas)
+    out = torch.cat(parallel_apply_cpu(guard_replicas(replicas, syncs), list(x.split(LOWP_SIZES))))
+    out.backward(dy)
+    bn = layer[0]
+    got = {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "weight_grad": bn.weight.grad,
+        "bias_grad": bn.bias.grad,
+        "running_var": bn.running_var,
+    }
+    _assert_lowp_matches_float64(got, kind, dtype)

@@ -27,6 +27,11 @@ not reach the output either. Both layers share `_local_moments`, `merge_moments`
 DataParallel (that needs several GPUs), but its arithmetic and its exchange run in the CPU tests
 with replicas in threads, as DataParallel runs them.
 
+Under autocast (fp16 or bf16 activations, float32 parameters) both compute as native BatchNorm
+does: statistics, normalisation and the weight and bias gradient sums in float32 (`_compute`),
+the output and the input gradient rounded once to the activations' dtype, and the parameter
+gradients in the parameters' dtype.
+
 Both keep BatchNorm's parameter and buffer names, so state dicts are interchangeable with the
 plain model's, and both update running statistics like native BN (unbiased variance over the
 global count). Only replica 0 updates them under DataParallel: it shares its buffers with the
@@ -71,7 +76,7 @@ def _local_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     if count == 0:
         zeros = x.new_zeros(channels, dtype=torch.float64)
         return 0, zeros, zeros
-    xf = x.float() if x.dtype in _LOW_PRECISION else x
+    xf = _compute(x)
     dims = _reduce_dims(x)
     first: tuple[int | slice, ...] = (0, slice(None), *([0] * (x.dim() - 2)))
     shift = xf.detach()[first]
@@ -116,13 +121,22 @@ def _normalize(
     scale = torch.rsqrt(var + eps)
     if weight is not None:
         scale = scale * weight.double()
-    head, rest = _split_mean(mean, x.dtype)
+    xc = _compute(x)
+    head, rest = _split_mean(mean, xc.dtype)
     shift = -rest * scale if bias is None else bias.double() - rest * scale
-    centred = x - _channel_view(head, x)  # exact near the mean
-    scale, shift = _channel_view(scale.to(x.dtype), x), _channel_view(shift.to(x.dtype), x)
+    centred = xc - _channel_view(head, xc)  # exact near the mean
+    scale, shift = _channel_view(scale.to(xc.dtype), xc), _channel_view(shift.to(xc.dtype), xc)
     if torch.is_grad_enabled():  # the DataParallel exchange: autograd needs `centred` intact
-        return centred * scale + shift
-    return centred.mul_(scale).add_(shift)
+        return (centred * scale + shift).to(x.dtype)
+    return centred.mul_(scale).add_(shift).to(x.dtype)
+
+
+def _compute(t: torch.Tensor) -> torch.Tensor:
+    """`t` in the dtype BatchNorm computes in: float32 for fp16/bf16 (autocast's activations),
+    as native BatchNorm does. In fp16, a gradient sum past 65504 (an unscaled bias gradient of
+    2.6 under GradScaler's 65536) is `inf`, and bf16's 8 bits of mantissa make every sum of a
+    batch wrong in its third digit; only the result is rounded to the input's dtype, once."""
+    return t.float() if t.dtype in _LOW_PRECISION else t
 
 
 class _SyncedBatchNormBase(_BatchNorm):
@@ -180,21 +194,25 @@ class _DistributedBatchNormFn(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
         x, weight, mean, invstd, total = ctx.saved_tensors
         dims = _reduce_dims(x)
-        xf = x.float() if x.dtype in _LOW_PRECISION else x
+        xf, dy = _compute(x), _compute(grad_out)
         # x - mean = (x - head) - rest: the first part is exact, the second a per-channel constant
         head, rest = _split_mean(mean, xf.dtype)
         x_head = xf - _channel_view(head, xf)
-        sum_dy = grad_out.sum(dims)
-        sum_dy_xmu = (grad_out * x_head).sum(dims) - rest.to(sum_dy.dtype) * sum_dy
+        sum_dy = dy.sum(dims)
+        sum_dy_xmu = (dy * x_head).sum(dims) - rest.to(sum_dy.dtype) * sum_dy
         invstd32 = invstd.to(sum_dy.dtype)
-        grad_weight = sum_dy_xmu * invstd32 if weight is not None and ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy if ctx.needs_input_grad[2] else None
+        grad_weight = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (sum_dy_xmu * invstd32).to(weight.dtype)
+        grad_bias = (
+            sum_dy.to(weight.dtype if weight is not None else x.dtype) if ctx.needs_input_grad[2] else None
+        )
         grad_input = None
         if ctx.needs_input_grad[0]:
             # The loss of every rank depends on this rank's input through the shared statistics.
             sums = torch.cat([sum_dy, sum_dy_xmu]).double()
             dist.all_reduce(sums, group=ctx.group)
-            grad_input = _grad_input(grad_out, x_head, rest, invstd, weight, sums, total).to(x.dtype)
+            grad_input = _grad_input(dy, x_head, rest, invstd, weight, sums, total).to(x.dtype)
         return grad_input, grad_weight, grad_bias, None, None
 
 
