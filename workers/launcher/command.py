@@ -9,6 +9,8 @@ the processes by the supervisor.
 from __future__ import annotations
 
 import hashlib
+import os
+import pwd
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,10 @@ from workers.launcher.sandbox import (
 # Never passed from the worker's environment, whatever the administrator's allow-list says:
 # our configuration (database URL, tokens), cloud credentials, and what torchrun sets itself.
 _NEVER_PREFIXES = ("TORCHJOBS_", "TORCHELASTIC_", "MASTER_", "LOCAL_", "CELERY_", "AWS_", "GOOGLE_", "AZURE_")
-_NEVER_NAMES = {"RANK", "WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "HOME", "TMPDIR"}
+_NEVER_NAMES = {
+    "RANK", "WORLD_SIZE", "GROUP_RANK", "CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "HOME", "TMPDIR",
+    "USER", "LOGNAME",
+}  # fmt: skip
 SYSTEM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -294,9 +299,25 @@ def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
         )
     if launch.accelerator == "cuda":  # the worker's own devices, never bare slot numbers
         env["CUDA_VISIBLE_DEVICES"] = ",".join(launch.device_ids or [str(g) for g in launch.gpus])
-    else:  # the ranks take their slots' share of the worker's cores (workers/runtime/cpus.py)
+    else:
         env["CUDA_VISIBLE_DEVICES"] = ""
-        env["TORCHJOBS_SLOTS"] = ",".join(str(g) for g in launch.gpus)
-        if launch.worker_slots:
-            env["TORCHJOBS_WORKER_SLOTS"] = str(launch.worker_slots)
+    # the ranks take their slots' share of the worker's cores (workers/runtime/cpus.py): pinned
+    # on CPU, a thread cap on CUDA
+    env["TORCHJOBS_SLOTS"] = ",".join(str(g) for g in launch.gpus)
+    if launch.worker_slots:
+        env["TORCHJOBS_WORKER_SLOTS"] = str(launch.worker_slots)
+    env.update(USER=account_name(launch.isolation), LOGNAME=account_name(launch.isolation))
     return env
+
+
+def account_name(isolation: Isolation) -> str:
+    """The name the ranks' uid has in their /etc/passwd: `torchjobs` for a root worker's sandbox
+    user (sandbox.write_identity), else the worker's own account (the ranks run as it). Tools that
+    read USER or LOGNAME before getpwuid (getpass, some caches, `ssh`) otherwise see the
+    worker's or nothing."""
+    if isolation.uid is not None:
+        return "torchjobs"
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return "torchjobs"

@@ -7,8 +7,10 @@ inherits) are cut, in order, into one near-equal contiguous block per worker slo
 CPUs than slots, slot s gets CPU s mod n, so slots share cores round-robin. A rank pins itself to
 the blocks of the slots it holds (a DDP rank one, a single or dp process all of its node's) and
 runs that many threads. Deterministic by slot index: which cores a slot means never depends on
-what else runs. CUDA ranks are left alone: their slots are GPUs, and their data path (loader
-workers, pinned-memory copies) needs the cores.
+what else runs. CUDA ranks are not pinned: their slots are GPUs, and their data path (loader
+workers, pinned-memory copies) needs the cores. But their thread pool is capped at their slots'
+share: a `single` or `dp` process (torchrun sets OMP_NUM_THREADS=1 only for several processes
+per node) otherwise starts a thread per host core for CPU work, beside every other job's.
 """
 
 from __future__ import annotations
@@ -52,10 +54,10 @@ def rank_cpus(
 
 
 def use_slot_cpus(env: RuntimeEnv) -> tuple[int, ...] | None:
-    """Pin this process to its slots' CPUs and size torch's thread pool to them; None (nothing
-    done) where the platform gave no slots: a CUDA rank, or a launch that did not say how many
-    slots the worker has."""
-    if env.accelerator == "cuda" or env.slots is None or env.worker_slots is None:
+    """Pin a CPU rank to its slots' CPUs and size torch's thread pool to them; cap a CUDA rank's
+    thread pool at their number (never raising what OMP_NUM_THREADS set). None (nothing done)
+    where the launch did not say which slots of how many the rank holds."""
+    if env.slots is None or env.worker_slots is None:
         return None
     cpus = rank_cpus(
         slots=env.slots,
@@ -64,6 +66,9 @@ def use_slot_cpus(env: RuntimeEnv) -> tuple[int, ...] | None:
         local_rank=env.local_rank,
         local_world_size=env.local_world_size,
     )
+    if env.accelerator == "cuda":
+        torch.set_num_threads(min(torch.get_num_threads(), len(cpus)))
+        return cpus
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(len(cpus))
     return cpus

@@ -112,7 +112,7 @@ def test_the_rank_environment_is_an_allow_list_never_the_workers_minus_names() -
     }  # fmt: skip
     rest = set(env) - ours
     assert rest == {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES",
-                    "OMP_NUM_THREADS", "NCCL_SOCKET_IFNAME"}  # fmt: skip
+                    "OMP_NUM_THREADS", "NCCL_SOCKET_IFNAME", "USER", "LOGNAME"}  # fmt: skip
     for secret in ("postgresql://secret", "tj_admin", "s3cret", "sh -c id"):
         assert secret not in env.values()
 
@@ -171,15 +171,29 @@ def test_cuda_hosts_pin_the_assigned_devices() -> None:
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     cpu_env = build_launch(launch(accelerator="cpu", gpus=(2, 3))).env
     assert cpu_env["CUDA_VISIBLE_DEVICES"] == "" and cpu_env["TORCHJOBS_SLOTS"] == "2,3"
-    assert "TORCHJOBS_WORKER_SLOTS" not in cpu_env and "TORCHJOBS_SLOTS" not in env
+    assert "TORCHJOBS_WORKER_SLOTS" not in cpu_env and env["TORCHJOBS_SLOTS"] == "2,3"
 
 
-def test_cpu_ranks_are_told_the_workers_slot_count_to_share_its_cores() -> None:
-    env = build_launch(launch(accelerator="cpu", gpus=(2, 3), worker_slots=4)).env
-    assert (env["TORCHJOBS_SLOTS"], env["TORCHJOBS_WORKER_SLOTS"]) == ("2,3", "4")
-    assert "TORCHJOBS_WORKER_SLOTS" not in build_launch(launch(accelerator="cuda", worker_slots=4)).env
+def test_ranks_are_told_the_workers_slot_count_to_share_its_cores() -> None:
+    """CPU ranks pin themselves to their share, CUDA ranks cap their threads at it (cpus.py)."""
+    for accelerator in ("cpu", "cuda"):
+        env = build_launch(launch(accelerator=accelerator, gpus=(2, 3), worker_slots=4)).env
+        assert (env["TORCHJOBS_SLOTS"], env["TORCHJOBS_WORKER_SLOTS"]) == ("2,3", "4")
     with pytest.raises(ValueError, match="outside the worker's 2"):
         launch(gpus=(1, 2), worker_slots=2)
+
+
+def test_user_and_logname_name_the_ranks_account_whatever_the_job_or_admin_pass() -> None:
+    """The name /etc/passwd gives the ranks' uid: the sandbox user's `torchjobs` for a root
+    worker, the worker's own account where the ranks run as it."""
+    import os
+    import pwd
+
+    iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap="/bw", uid=4242, gid=4243)
+    env = build_launch(launch(isolation=iso, user_env={"USER": "root", "LOGNAME": "root"})).env
+    assert (env["USER"], env["LOGNAME"]) == ("torchjobs", "torchjobs")
+    own = pwd.getpwuid(os.getuid()).pw_name
+    assert build_launch(launch()).env["USER"] == own
 
 
 def test_no_resume_means_no_variable() -> None:

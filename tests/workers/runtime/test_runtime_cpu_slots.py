@@ -124,3 +124,31 @@ def test_real_ranks_run_on_their_slots_cpus_with_as_many_threads(jobs: Any, tmp_
     # environment sets OMP_NUM_THREADS=1, so the thread count is the runtime's doing)
     (seen,) = _ranks(jobs, tmp_path, "one", 1, "0,1", 2)
     assert seen == {"cpus": allowed, "threads": len(allowed)}
+
+
+CUDA_CAP_PROBE = """
+import json, os
+import torch
+from workers.runtime.cpus import use_slot_cpus
+from workers.runtime.env import RuntimeEnv
+torch.set_num_threads(len(os.sched_getaffinity(0)))
+env = RuntimeEnv.from_environ(
+    {"TORCHJOBS_ACCELERATOR": "cuda", "TORCHJOBS_SLOTS": "0", "TORCHJOBS_WORKER_SLOTS": "2"}
+)
+cpus = use_slot_cpus(env)
+print(json.dumps({"cpus": list(cpus), "threads": torch.get_num_threads(),
+                  "affinity": sorted(os.sched_getaffinity(0))}))
+"""
+
+
+def test_a_cuda_rank_is_capped_at_its_slots_share_of_threads_not_pinned() -> None:
+    """A `single` CUDA process on one GPU of a 2-GPU worker: half the cores' worth of threads
+    (not one per host core beside every other job's), its affinity untouched (loader workers and
+    pinned-memory copies use every core)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    done = subprocess.run(
+        [sys.executable, "-c", CUDA_CAP_PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
+    seen = json.loads(done.stdout)
+    want = rank_cpus(slots=(0,), worker_slots=2, allowed=allowed, local_rank=0, local_world_size=1)
+    assert seen == {"cpus": list(want), "threads": len(want), "affinity": allowed}

@@ -58,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     if workdir is not None:
         import_first(workdir)
     plan = make_plan(config, env, cuda_device_count=torch.cuda.device_count())
-    cpus = None if plan.is_cuda else use_slot_cpus(env)
+    cpus = use_slot_cpus(env)  # CPU: pinned to its slots' cores; CUDA: threads capped at them
     if cpus is not None:
-        log(env.rank, f"CPU slots {','.join(map(str, env.slots or ()))}: {describe(cpus)}")
+        share = describe(cpus) if not plan.is_cuda else f"{torch.get_num_threads()} CPU threads at most"
+        log(env.rank, f"slots {','.join(map(str, env.slots or ()))}: {share}")
     # after the CPUs and the workdir (the server inherits both), before any other thread (it
     # is then a fork of this process: loader_workers.py)
     start_loader_server(config.hyperparameters.num_workers)
