@@ -17,6 +17,8 @@ transport is first exercised by the job's first collective.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -28,8 +30,12 @@ import torch.distributed as dist
 
 from workers.runtime.env import RuntimeEnv
 from workers.runtime.errors import TorchJobsRuntimeError
+from workers.runtime.preflight_product import check_product, known_factor
+
+__all__ = ["PreflightError", "check_gpus", "check_product", "known_factor", "run_preflight"]
 
 STORE_PREFIX = "torchjobs/preflight/"
+GPU_CHECK_START_S = 60.0  # the check's interpreter importing torch and creating a CUDA context
 T = TypeVar("T")
 
 
@@ -71,36 +77,33 @@ def check_gpus(env: RuntimeEnv) -> None:
     """On CUDA, each GPU this rank drives (all it sees in a DataParallel process, else its
     own) allocates, multiplies and reads back a known product before any user code runs. A
     failing GPU then fails the pre-flight, an infrastructure failure counted against the host
-    (contract §8), instead of a job that dies or computes garbage an hour in."""
-    if env.accelerator != "cuda" or not torch.cuda.is_available():
+    (contract §8), instead of a job that dies or computes garbage an hour in. In a child process
+    (gpu_check.py): this one must not have touched CUDA when the job's code starts."""
+    if env.accelerator != "cuda":
         return
-    devices = range(torch.cuda.device_count()) if env.local_world_size == 1 else [env.local_rank]
-    for index in devices:
-        try:
-            check_product(_product_on(index), index)
-        except (RuntimeError, OSError) as exc:  # CUDA errors are RuntimeErrors
-            raise PreflightError(
-                f"{_where(env)}: pre-flight could not use GPU {index} (cuda:{index} of this rank's "
-                f"CUDA_VISIBLE_DEVICES): {_first_line(exc)}"
-            ) from exc
+    which = "all" if env.local_world_size == 1 else str(env.local_rank)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "workers.runtime.gpu_check", which],
+            capture_output=True,
+            text=True,
+            timeout=env.preflight_timeout_s + GPU_CHECK_START_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise PreflightError(f"{_where(env)}: pre-flight GPU check did not finish in time") from None
+    if done.returncode != 0:
+        raise PreflightError(f"{_where(env)}: pre-flight could not use {_gpu_failure(done)}")
 
 
-def known_factor() -> torch.Tensor:
-    return torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64) / 4096
-
-
-def _product_on(index: int) -> torch.Tensor:
-    device = torch.device("cuda", index)
-    a = known_factor().to(device)
-    product = (a @ a).cpu()  # .cpu() waits for the kernel: its errors surface here
-    torch.cuda.synchronize(device)
-    return product
-
-
-def check_product(product: torch.Tensor, index: int) -> None:
-    a = known_factor()
-    if not torch.allclose(product, a @ a, rtol=1e-3, atol=1e-3):
-        raise RuntimeError(f"GPU {index} computed a wrong matrix product")
+def _gpu_failure(done: subprocess.CompletedProcess[str]) -> str:
+    """`GPU 3: <error>` as gpu_check.py says it (its index is cuda:3 of this rank's
+    CUDA_VISIBLE_DEVICES), or the last line of a check that died before it could."""
+    said = done.stdout.strip().splitlines()
+    if said and said[-1].startswith("GPU "):
+        return said[-1] + " (an index into this rank's CUDA_VISIBLE_DEVICES)"
+    died = done.stderr.strip().splitlines()
+    return f"its GPUs: the check exited with {done.returncode}" + (f": {died[-1][:400]}" if died else "")
 
 
 def _store(env: RuntimeEnv, timeout: timedelta) -> dist.Store:

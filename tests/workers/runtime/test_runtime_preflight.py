@@ -91,3 +91,36 @@ def test_the_gpu_check_is_skipped_without_cuda_and_knows_a_wrong_product() -> No
     with pytest.raises(RuntimeError, match="GPU 2 computed a wrong matrix product"):
         check_product(wrong, 2)
     assert torch.isfinite(right).all()
+
+
+def test_the_gpu_check_runs_in_a_child_and_reports_how_it_ended() -> None:
+    """The rank's own process never touches CUDA for the check (gpu_check.py says why); the
+    child's answer is read as data: a named GPU, or how it died."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from workers.runtime.env import RuntimeEnv
+    from workers.runtime.preflight import _gpu_failure, check_gpus
+
+    check_gpus(RuntimeEnv(accelerator="cuda", local_world_size=1))  # no CUDA here: the child says so
+    assert not torch.cuda.is_initialized()
+    ran = subprocess.run(
+        [sys.executable, "-m", "workers.runtime.gpu_check", "all"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ran.returncode == 0 and ran.stdout == ""
+    misused = subprocess.run(
+        [sys.executable, "-m", "workers.runtime.gpu_check", "x"], capture_output=True, text=True, check=False
+    )
+    assert (
+        _gpu_failure(misused)
+        == "its GPUs: the check exited with 2: usage: python -m workers.runtime.gpu_check all|INDEX"
+    )
+    named = subprocess.CompletedProcess(
+        [], 1, stdout="GPU 3: CUDA error: an illegal memory access\n", stderr=""
+    )
+    assert _gpu_failure(named).startswith("GPU 3: CUDA error: an illegal memory access (an index into")
