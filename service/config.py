@@ -14,7 +14,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     # while a process of it lives; workers/launcher/uids.py); "off": all as sandbox_user
     job_uids: str = "2000000000-2099999999"
     allow_unisolated: bool = False  # an unsandboxed worker takes every user's jobs, not the admin's only
+    # host folders or files every sandbox binds read-only, comma-separated absolute paths: NCCL
+    # network plugins and the libraries they load (with LD_LIBRARY_PATH in rank_env_allow)
+    sandbox_binds: str = ""
     # the worker's own variables that reach ranks: names, or prefixes ending in "*"; never
     # TORCHJOBS_*, AWS_* or the like, whatever this says (workers/launcher/command.py)
     rank_env_allow: str = (
@@ -160,6 +163,18 @@ class Settings(BaseSettings):
     @property
     def cache_dir(self) -> Path:
         return self.home / "cache"
+
+    @cached_property
+    def sandbox_bind_paths(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.sandbox_binds.split(",") if p.strip())
+
+    @field_validator("sandbox_binds")
+    @classmethod
+    def _absolute_binds(cls, value: str) -> str:
+        for path in (p.strip() for p in value.split(",") if p.strip()):
+            if not path.startswith("/") or ".." in Path(path).parts:
+                raise ValueError(f"TORCHJOBS_SANDBOX_BINDS: {path!r} is not an absolute path without '..'")
+        return value
 
     @cached_property
     def script_root_paths(self) -> list[Path]:

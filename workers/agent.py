@@ -179,7 +179,12 @@ def run_worker(
         folders = code_folders(settings.script_root_paths, ctx.rank_base_env)
         envs = envs_root(settings)  # built environments: every job reads its own, none writes
         envs.mkdir(parents=True, exist_ok=True)
-        ctx.sandbox_read_only = (*sandbox.python_paths(sys.executable), *folders, str(envs))
+        ctx.sandbox_read_only = (
+            *sandbox.python_paths(sys.executable),
+            *folders,
+            str(envs),
+            *settings.sandbox_bind_paths,  # the admin's: NCCL network plugins and their libraries
+        )
         warn_unreadable(ctx.isolation, settings, ctx.rank_base_env, ctx.sandbox_read_only, sys.executable)
     if kind == "cuda":
         ctx.gpu_ids = devices.slot_ids(os.environ.get("CUDA_VISIBLE_DEVICES"), ctx.gpus)

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 NVIDIA_CONTROL = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+# RDMA (InfiniBand, RoCE): NCCL's IB transport opens uverbs and rdma_cm here; without them in
+# the sandbox a multi-node job falls back to TCP sockets, silently, at a fraction of the speed.
+RDMA_DEVICES = ("/dev/infiniband",)
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,8 @@ def slot_ids(visible: str | None, slots: int) -> tuple[str, ...]:
 
 def device_files(ids: Sequence[str], gpus: Sequence[Gpu]) -> tuple[str, ...]:
     """The device files a node on those GPUs needs: its own cards, found by index or UUID
-    (a unique prefix, as CUDA takes it), and the driver's control files. When one of them
+    (a unique prefix, as CUDA takes it), the driver's control files, and the RDMA devices
+    (bound where the host has them). When one of them
     cannot be told (a MIG name, no nvidia-smi), every card's: CUDA_VISIBLE_DEVICES still
     selects, the wall between jobs on one host is then that variable only."""
     cards = [_card(i, gpus) for i in ids]
@@ -48,7 +52,7 @@ def device_files(ids: Sequence[str], gpus: Sequence[Gpu]) -> tuple[str, ...]:
         listed = [f"/dev/nvidia{c}" for c in cards]
     caps_dir = Path("/dev/nvidia-caps")
     caps = sorted(str(p) for p in caps_dir.glob("*")) if caps_dir.is_dir() else []
-    return (*NVIDIA_CONTROL, *listed, *caps)
+    return (*NVIDIA_CONTROL, *listed, *caps, *RDMA_DEVICES)
 
 
 def cuda_visible(ids: Sequence[str], gpus: Sequence[Gpu]) -> tuple[str, ...]:

@@ -88,3 +88,24 @@ def test_the_ranks_name_their_gpus_by_uuid_so_the_sandboxs_numbering_cannot_misl
     assert build_launch(launch).env["CUDA_VISIBLE_DEVICES"] == "GPU-dddd6666-6666,GPU-eeee7777-7777"
     bound = {a for a in build_launch(launch).argv if a.startswith("/dev/nvidia")}
     assert {"/dev/nvidia6", "/dev/nvidia7"} <= bound and "/dev/nvidia5" not in bound
+
+
+def test_rdma_devices_reach_a_cuda_sandbox_where_the_host_has_them() -> None:
+    """NCCL's InfiniBand/RoCE transport opens /dev/infiniband/uverbsN and rdma_cm; without them
+    a multi-node job falls back to TCP without a word (#37). Bound "-try": a host without RDMA
+    starts the same sandbox."""
+    assert "/dev/infiniband" in device_files(("6",), HOST)
+    argv = build_launch(_cuda_launch(("6",), (2,), sandboxed=True)).argv
+    assert "/dev/infiniband" in {argv[i + 1] for i, a in enumerate(argv) if a == "--dev-bind-try"}
+
+
+def test_the_admins_binds_are_absolute_paths() -> None:
+    from pydantic import ValidationError
+
+    from service.config import Settings
+
+    binds = Settings(sandbox_binds="/opt/nccl-plugin, /usr/lib/x86_64-linux-gnu/libibverbs")
+    assert binds.sandbox_bind_paths == ("/opt/nccl-plugin", "/usr/lib/x86_64-linux-gnu/libibverbs")
+    for bad in ("opt/plugin", "/opt/../etc"):
+        with pytest.raises(ValidationError, match="TORCHJOBS_SANDBOX_BINDS"):
+            Settings(sandbox_binds=bad)
