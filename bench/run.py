@@ -20,6 +20,7 @@ in this order:
 | scale | bench/scale.py: simulated hosts to 1,000; writes docs/scaling.md | none (a curve) |
 | events | bench/event_stream.py: SSE lag at 1/50/200 streams; ingestion writes | 1 stream; reports/s |
 | checkpoint | bench/checkpoint_download.py: 1 GiB download, RSS | fastest plain server |
+| fsdp-checkpoint | bench/fsdp_checkpoint.py: fsdp stall per async DCP save | sync dcp.save; none |
 
 No timing target is ever asserted: the command fails only when a benchmark itself fails (a
 crash, a timeout, a stream that missed events). Targets are printed next to the ratios.
@@ -293,6 +294,11 @@ BENCHMARKS = [
         [PY, "bench/checkpoint_download.py"],
         [PY, "bench/checkpoint_download.py", "--size", "16MiB", "--rounds", "1"],
         parse_checkpoint,
+    ),
+    Bench(
+        "fsdp-checkpoint",
+        [PY, "-m", "bench.fsdp_checkpoint"],
+        [PY, "-m", "bench.fsdp_checkpoint", "--smoke"],
     ),
 ]
 NAMES = [b.name for b in BENCHMARKS]

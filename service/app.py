@@ -29,6 +29,7 @@ from service.config import Settings
 from service.dashboard.router import router as dashboard_router
 from service.db import Database, unavailable_reason
 from service.errors import TorchJobsError
+from service.exec.router import router as exec_router
 from service.hosts.router import router as hosts_router
 from service.jobs.router import router as jobs_router
 from service.jobs.view_cache import ViewCache
@@ -139,6 +140,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
         webhooks_router,
         metrics_router,
         dashboard_router,
+        exec_router,
     )
     for router in routers:
         app.include_router(router, responses=ERROR_RESPONSES)

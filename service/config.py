@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     env_build_timeout_s: float = 900.0
     env_installer_args: str = ""  # extra uv arguments, e.g. "--find-links /opt/wheels" or an index URL
     checkpoint_keep_last: int = Field(0, ge=0)  # per job; 0 keeps every checkpoint
+    # contract §11: a folder checkpoint with no mark of completion is complete once nothing
+    # beneath it changed for this long
+    checkpoint_settle_s: float = Field(10.0, gt=0, le=86400)
     upload_validate_timeout_s: float = 300.0  # the subprocess that loads an upload with weights_only
     metrics_public: bool = False
     log_json: bool = False
@@ -112,6 +115,16 @@ class Settings(BaseSettings):
     memory_per_gpu_mb: int | None = Field(None, gt=0)
     # bytes a job node keeps under its run folder and TMPDIR, per GPU (workers/launcher/disk.py)
     job_disk_max_mb: int = Field(102400, gt=0)
+
+    # Into a running job (contract §14, workers/exec_endpoint.py): where each worker's exec
+    # endpoint listens ("" = the worker's --address; "0.0.0.0" = every interface) and on which
+    # port (0: any free one; the row in `workers` says which); sessions open at once per user
+    # and per job (past either a 429), counted by each API process
+    exec_bind: str = ""
+    exec_port: int = Field(0, ge=0, le=65535)
+    exec_max_per_user: int = Field(8, ge=1)
+    exec_max_per_job: int = Field(8, ge=1)
+    exec_connect_timeout_s: float = Field(10.0, gt=0)  # the API's connection to a worker's endpoint
 
     # GET /v1/jobs/{id} from memory while a change feed runs (service.jobs.view_cache); 0: off
     job_view_cache_ttl_s: float = Field(5.0, ge=0)

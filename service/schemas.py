@@ -74,6 +74,8 @@ class CheckpointOut(Output):
     created_at: datetime
     metrics: dict[str, Any]
     download_url: str
+    kind: str = "file"  # contract §11: "file" | "folder"
+    files: int = 1
 
 
 def checkpoint_out(ckpt: Any) -> CheckpointOut:
@@ -88,4 +90,6 @@ def checkpoint_out(ckpt: Any) -> CheckpointOut:
         created_at=ckpt.created_at,
         metrics=ckpt.metrics or {},
         download_url=f"/v1/checkpoints/{ckpt.id}/download",
+        kind=ckpt.kind or "file",
+        files=ckpt.files if ckpt.files is not None else 1,
     )

@@ -32,6 +32,7 @@ BENCHMARKS = (
     "scale",
     "events",
     "checkpoint",
+    "fsdp-checkpoint",
 )
 CHEAPEST = ("trainer",)  # 7 s of the smoke's ~280 s here
 RUN = BENCHMARKS if os.environ.get("TORCHJOBS_BENCH_SMOKE") == "all" else CHEAPEST

@@ -52,9 +52,15 @@ def loaded_after(code: str) -> list[str]:
             "import service.client.admin_commands, service.client.webhook_commands\n"
             "import service.client.follow, service.client.spec, service.client.common\n"
             "import service.client.settings, service.client.errors, service.client.api\n"
-            "import service.client.download, service.client.pack",
+            "import service.client.download, service.client.pack, service.client.folder_pack",
             SERVER_STACK,
-            ("service.client", "service.states"),
+            # a folder checkpoint's manifest and tar layout (contract §11): standard library only
+            (
+                "service.client",
+                "service.states",
+                "service.checkpoints.manifest",
+                "service.checkpoints.tar_layout",
+            ),
             id="client-without-the-server",
         ),
     ],
@@ -64,7 +70,10 @@ def test_a_boundary_holds(code: str, forbidden: tuple[str, ...], ours_allowed: t
     assert [m for m in modules if m.split(".")[0] in forbidden] == []
     ours = [m for m in modules if m.split(".")[0] in ("service", "workers") and "." in m]
     strays = [
-        m for m in ours if not m.startswith(ours_allowed) and m not in ("service.nodes", "workers.runtime")
+        m
+        for m in ours
+        if not m.startswith(ours_allowed)
+        and m not in ("service.nodes", "workers.runtime", "service.checkpoints")
     ]
     assert strays == []
 

@@ -24,10 +24,10 @@ from sqlalchemy.exc import OperationalError
 from service.config import Settings
 from service.db import Database, unavailable_reason
 from service.models import utcnow
-from service.nodes import hosts
+from service.nodes import exec_link, hosts
 from service.nodes.wire import queue_for
 from service.storage import Storage
-from workers import context
+from workers import context, exec_endpoint
 from workers.celery_app import make_celery
 from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
@@ -87,6 +87,16 @@ def register(ctx: WorkerContext) -> None:
             isolation_detail=ctx.isolation.detail,
             open_to_all=ctx.isolation.sandboxed or ctx.settings.allow_unisolated,
         )
+
+
+def start_exec_endpoint(ctx: WorkerContext) -> exec_endpoint.Endpoint | None:
+    """Contract §14: the endpoint the API reaches this worker's running ranks through, and
+    its address and secret on this worker's row (workers/exec_endpoint.py says why)."""
+    endpoint = exec_endpoint.start(ctx.settings.exec_bind, ctx.settings.exec_port, ctx.address)
+    if endpoint is not None:
+        with ctx.db.transaction() as session:
+            exec_link.publish_endpoint(session, ctx.name, ctx.session_id, endpoint.address, endpoint.secret)
+    return endpoint
 
 
 def spare_sandboxes(ctx: WorkerContext) -> SpareSandboxes:
@@ -200,6 +210,7 @@ def run_worker(
     )
     context.set_current(ctx)
     register(ctx)
+    endpoint = start_exec_endpoint(ctx)
     beat = Heartbeat(ctx)
     beat.start()
     app = make_celery(settings)
@@ -237,6 +248,8 @@ def run_worker(
     finally:
         ctx.shutdown.set()
         beat.stopped.set()
+        if endpoint is not None:
+            endpoint.stop()
         if ctx.agents is not None:
             ctx.agents.close()
         with db.transaction() as session:

@@ -10,12 +10,14 @@ from pathlib import Path
 
 from service.db import KeptConnection
 from service.errors import InvalidSpec
+from service.nodes import checkpoints as node_checkpoints
 from service.nodes import reports
 from service.nodes.checkpoints import store_rank_checkpoint
 from service.nodes.claims import Claimed, claim_for_launch, record_end
 from service.nodes.code import resolve_script, storage_key
 from service.nodes.values import Batch, NodeKey, NodeLimits, NodeOutcome
 from service.states import NodeState
+from workers import exec_endpoint
 from workers.code_cache import CodeUnavailable, unpacked_code
 from workers.context import WorkerContext
 from workers.environments import EnvironmentFailed, ensure_environment
@@ -24,7 +26,8 @@ from workers.launcher.command import NodeLaunch, NodePaths, build_launch, enviro
 from workers.launcher.devices import cuda_visible, device_files
 from workers.launcher.run_dir import remove_run_dir, tmp_root
 from workers.launcher.sandbox import Isolation
-from workers.launcher.supervisor import Hooks, NodeSupervisor
+from workers.launcher.staging import StagingFailed, stage_folder
+from workers.launcher.supervisor import FolderHooks, Hooks, NodeSupervisor
 
 log = logging.getLogger("torchjobs.worker")
 
@@ -42,7 +45,8 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
     supervisor = None
     node_db = KeptConnection(ctx.db)
     try:
-        launch = _launch(ctx, key, claimed, run_dir)
+        resume = _fetch_resume(ctx, claimed.resume) if claimed.resume else None
+        launch = _launch(ctx, key, claimed, run_dir, resume[0] if resume else None)
         supervisor = NodeSupervisor(
             key=key,
             plan=build_launch(launch),
@@ -56,6 +60,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
                 job_control=lambda: reports.job_control(ctx.db, job_id),
                 node_event=lambda type_, data: reports.node_event(node_db, key, type_, data),
                 peers_ended=lambda: reports.peers_ended_at(ctx.db, key),
+                folders=_folder_hooks(ctx, key, launch.nnodes),
             ),
             grace_s=ctx.settings.cancel_grace_s,
             shutdown=ctx.shutdown,
@@ -66,8 +71,10 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             log_max_bytes=int(ctx.settings.log_max_mb * 1024 * 1024),
             group=_node_group(ctx, key, len(launch.gpus)),
             disk_max_bytes=ctx.settings.job_disk_max_mb * 1024 * 1024 * len(launch.gpus),
+            resume_copy=(Path(resume[0]), resume[1]) if resume else None,
         )
-        outcome = supervisor.run()
+        with exec_endpoint.NODES.running(supervisor):  # exec and forward find it (contract §14)
+            outcome = supervisor.run()
     except InvalidSpec as exc:
         outcome = NodeOutcome(state=NodeState.FAILED, error=f"node {node_rank}: {exc.detail[0]['msg']}")
     except _NotReady as exc:
@@ -83,12 +90,26 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
     finally:
         node_db.close()
     record_end(ctx.db, key, outcome, worker=ctx.name)
+    node_checkpoints.end_node(ctx.db, ctx.storage, key)
     if supervisor is not None:
         supervisor.cleanup()
     else:
         remove_run_dir(NodePaths(run_dir=run_dir, tmp_root=tmp_root()))
     log.info("job %s attempt %s node %s ended: %s", job_id, attempt, node_rank, outcome.state)
     return outcome.state
+
+
+def _folder_hooks(ctx: WorkerContext, key: NodeKey, nnodes: int) -> FolderHooks:
+    """Folder checkpoints (contract §11) through the node seam: parts stored, node 0 lists."""
+    return FolderHooks(
+        store_part=lambda name, version, files, opener: node_checkpoints.store_part(
+            ctx.db, ctx.storage, key, name, version, files, opener
+        ),
+        try_list=lambda part, meta: node_checkpoints.try_list(ctx.db, ctx.storage, key, part, nnodes, meta),
+        horizon=lambda: node_checkpoints.part_horizon(ctx.db),
+        note_look=lambda horizon, busy: node_checkpoints.note_look(ctx.db, key, horizon, busy),
+        settle_s=ctx.settings.checkpoint_settle_s,
+    )
 
 
 def _node_group(ctx: WorkerContext, key: NodeKey, gpus: int) -> NodeGroup | None:
@@ -127,7 +148,9 @@ class _NotReady(Exception):
     pass
 
 
-def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -> NodeLaunch:
+def _launch(
+    ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path, resume_path: str | None
+) -> NodeLaunch:
     fields = claimed.launch_fields
     entry = fields["entrypoint"]
     script = code_dir = None
@@ -135,7 +158,6 @@ def _launch(ctx: WorkerContext, key: NodeKey, claimed: Claimed, run_dir: Path) -
         code_dir = _code(ctx, claimed.code)
     elif isinstance(entry, dict) and entry.get("kind") == "script":
         script = str(resolve_script(str(entry["path"]), ctx.settings.script_root_paths))
-    resume_path = _fetch_resume(ctx, claimed.resume) if claimed.resume else None
     master_addr = str(fields.pop("master_addr"))
     if fields["nnodes"] == 1:
         master_addr = "127.0.0.1"
@@ -200,8 +222,24 @@ def _code(ctx: WorkerContext, sha: str) -> Path:
         raise _NotReady(str(exc)) from exc
 
 
-def _fetch_resume(ctx: WorkerContext, resume: tuple[int, str, str]) -> str:
-    """A verified local copy, cached by content hash so retries and repeats fetch once."""
+def _fetch_resume(ctx: WorkerContext, resume: tuple[int, str, str]) -> tuple[str, str]:
+    """(a verified local copy, the checkpoint's name): a file cached by content hash, a folder
+    by checkpoint id (contract §11), so retries and repeats on this host fetch once."""
+    ckpt_id = resume[0]
+    layout = node_checkpoints.resume_layout(ctx.db, ckpt_id)
+    if layout is None:
+        raise _NotReady(f"checkpoint {ckpt_id} is gone")
+    name, kind, files = layout
+    cache = ctx.settings.cache_dir / "checkpoints"
+    if kind == "folder":
+        try:
+            return str(stage_folder(ctx.storage, cache, ckpt_id, name, files)), name
+        except (OSError, StagingFailed) as exc:
+            raise _NotReady(f"could not fetch checkpoint {ckpt_id}: {exc}") from exc
+    return _fetch_file(ctx, resume), name
+
+
+def _fetch_file(ctx: WorkerContext, resume: tuple[int, str, str]) -> str:
     ckpt_id, storage_key, sha = resume
     cache = ctx.settings.cache_dir / "checkpoints"
     cache.mkdir(parents=True, exist_ok=True)

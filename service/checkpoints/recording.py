@@ -9,18 +9,22 @@ always stored first, outside any transaction; a row whose job has gone takes its
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any, Protocol
 
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from service.checkpoints import repository as repo
 from service.db import Database
+from service.errors import Conflict, NotFound
 from service.jobs import repository as jobs_repo
 from service.jobs.reports import touch_report
 from service.jobs.states import append_event
-from service.models import Checkpoint
+from service.models import Checkpoint, CheckpointFile, CheckpointPart, Job, User
 from service.nodes.values import NodeKey
 from service.schemas import checkpoint_out
+from service.states import JobState
 from service.storage import CHUNK, Storage
 
 log = logging.getLogger("torchjobs.checkpoints")
@@ -77,12 +81,17 @@ def store_rank_checkpoint(
         )
         ckpt_id = record_checkpoint(session, ckpt).id
         touch_report(session, key)  # a checkpoint is a report: the stall clock starts again
-    _retain(db, storage, key.job_id)
+    retain(db, storage, key.job_id)
     return ckpt_id
 
 
-def _retain(db: Database, storage: Storage, job_id: int) -> None:
-    keep_last = db.settings.checkpoint_keep_last
+def retain(db: Database, storage: Storage, job_id: int) -> None:
+    """After a new checkpoint: the job's `keep_checkpoints` (contract §11), else the worker's
+    `TORCHJOBS_CHECKPOINT_KEEP_LAST`; neither set keeps all."""
+    with db.read() as session:
+        job = jobs_repo.job_by_id(session, job_id)
+        keep = job.keep_checkpoints if job is not None else None
+    keep_last = keep or db.settings.checkpoint_keep_last
     if not keep_last:
         return
     try:
@@ -100,16 +109,95 @@ def enforce_retention(db: Database, storage: Storage, job_id: int, keep_last: in
     """
     if keep_last <= 0:
         return []
-    deleted: list[tuple[int, str]] = []
+    deleted: list[tuple[int, list[str]]] = []
     with db.transaction() as session:
         for ckpt in repo.retention_candidates(session, job_id, keep_last):
+            keys = object_keys(session, ckpt)
             if repo.delete_unreferenced(session, ckpt):
-                deleted.append((ckpt.id, ckpt.storage_key))
-    for ckpt_id, key in deleted:
-        try:
-            storage.delete(key)
-        except Exception:  # the row is gone; a stray file is only wasted space
-            log.exception("retention: could not delete %s of checkpoint %s", key, ckpt_id)
+                session.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == ckpt.id))
+                deleted.append((ckpt.id, keys))
+        deleted = [(i, unreferenced_in(session, keys)) for i, keys in deleted]
+    for ckpt_id, keys in deleted:
+        delete_objects(storage, keys, ckpt_id)
     if deleted:
         log.info("job %s: retention removed checkpoints %s", job_id, [i for i, _ in deleted])
     return [i for i, _ in deleted]
+
+
+def object_keys(session: Session, ckpt: Checkpoint) -> list[str]:
+    """Every object a checkpoint holds: its file's, or each file's of a folder (contract §11)."""
+    if ckpt.kind != "folder":
+        return [ckpt.storage_key]
+    return list(
+        session.execute(select(CheckpointFile.storage_key).where(CheckpointFile.checkpoint_id == ckpt.id))
+        .scalars()
+        .all()
+    )
+
+
+def unreferenced_in(session: Session, keys: Sequence[str]) -> list[str]:
+    """Those of `keys` that no listed checkpoint's file holds, nor a folder part still waiting
+    (another node's stored part may go into the next checkpoint of its name)."""
+    held: set[str] = set()
+    for i in range(0, len(keys), 500):
+        held.update(
+            session.execute(
+                select(CheckpointFile.storage_key).where(
+                    CheckpointFile.storage_key.in_(list(keys[i : i + 500]))
+                )
+            )
+            .scalars()
+            .all()
+        )
+    prefixes = list(session.execute(select(CheckpointPart.prefix)).scalars().all()) if keys else []
+    return [k for k in keys if k not in held and not any(k.startswith(p) for p in prefixes)]
+
+
+def delete_objects(storage: Storage, keys: Sequence[str], ckpt_id: int) -> None:
+    for key in keys:
+        try:
+            storage.delete(key)
+        except Exception:  # the row is gone; a stray file is only wasted space
+            log.exception("could not delete %s of checkpoint %s", key, ckpt_id)
+
+
+WILL_RESUME = (JobState.QUEUED, JobState.SCHEDULED, JobState.RUNNING)
+
+
+def delete_checkpoint(db: Database, storage: Storage, user: User, ckpt_id: int) -> None:
+    """`DELETE /v1/checkpoints/{id}` (contract §11): the owner's (or the admin's) checkpoint,
+    its row and then its objects. 404 when it is not theirs; 409 while a queued or running job
+    will resume from it: one that names it, or its own job, whose next attempt resumes from
+    its newest. A finished job that resumed from it keeps its `resume_from`, not the link."""
+    with db.transaction() as session:
+        ckpt = repo.get(session, ckpt_id, None if user.is_admin else user.id)
+        if ckpt is None:
+            raise NotFound("checkpoint")
+        if _needed(session, ckpt):
+            raise Conflict(f"checkpoint {ckpt_id}: a queued or running job will resume from it")
+        keys = object_keys(session, ckpt)
+        session.execute(
+            update(Job)
+            .where(Job.resume_checkpoint_id == ckpt.id)
+            .values(resume_checkpoint_id=None)
+            .execution_options(synchronize_session=False)
+        )
+        session.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == ckpt.id))
+        session.execute(delete(Checkpoint).where(Checkpoint.id == ckpt.id))
+        keys = unreferenced_in(session, keys)
+    delete_objects(storage, keys, ckpt_id)
+
+
+def _needed(session: Session, ckpt: Checkpoint) -> bool:
+    named = session.execute(
+        select(Job.id)
+        .where(Job.resume_checkpoint_id == ckpt.id, Job.state.in_(WILL_RESUME))
+        .limit(1)
+        .with_for_update()
+    ).scalar_one_or_none()
+    if named is not None:
+        return True
+    if ckpt.job_id is None:
+        return False
+    own = session.execute(select(Job.state).where(Job.id == ckpt.job_id)).scalar_one_or_none()
+    return own in WILL_RESUME and repo.latest_id_of_job(session, ckpt.job_id) == ckpt.id

@@ -9,7 +9,7 @@ from sqlalchemy import CursorResult, delete, exists, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service.models import Checkpoint, Job
+from service.models import Checkpoint, CheckpointFile, Job
 
 
 def get(
@@ -47,6 +47,18 @@ def list_for_job(session: Session, job_id: int) -> Sequence[Checkpoint]:
         .scalars()
         .all()
     )
+
+
+def files_of(session: Session, ckpt_id: int) -> Sequence[CheckpointFile]:
+    """A folder checkpoint's file rows, in no particular order (the manifest sorts by bytes)."""
+    return (
+        session.execute(select(CheckpointFile).where(CheckpointFile.checkpoint_id == ckpt_id)).scalars().all()
+    )
+
+
+def file_at(session: Session, ckpt_id: int, path: str) -> CheckpointFile | None:
+    query = select(CheckpointFile).where(CheckpointFile.checkpoint_id == ckpt_id, CheckpointFile.path == path)
+    return session.execute(query).scalar_one_or_none()
 
 
 def add(session: Session, ckpt: Checkpoint) -> Checkpoint:

@@ -38,13 +38,24 @@ class ResumeFile:
     sha256: str
     storage_key: str
     trusted: bool  # an upload (validated on the way in) or the builtin trainer's own file
+    kind: str = "file"  # or "folder" (contract §11)
 
 
 def resume_file(session: Session, ckpt: Checkpoint) -> ResumeFile:
     source = jobs_repo.job_by_id(session, ckpt.job_id) if ckpt.job_id is not None else None
-    trusted = ckpt.job_id is None or (source is not None and source.entrypoint.get("kind") == "builtin")
+    # a folder (contract §11) is never unpickled by the server: only its owner's jobs open it
+    trusted = (
+        ckpt.kind == "folder"
+        or ckpt.job_id is None
+        or (source is not None and source.entrypoint.get("kind") == "builtin")
+    )
     return ResumeFile(
-        id=ckpt.id, name=ckpt.name, sha256=ckpt.sha256, storage_key=ckpt.storage_key, trusted=trusted
+        id=ckpt.id,
+        name=ckpt.name,
+        sha256=ckpt.sha256,
+        storage_key=ckpt.storage_key,
+        trusted=trusted,
+        kind=ckpt.kind,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AfterValidator
@@ -26,8 +27,8 @@ from service.api.deps import (
     UserDep,
     current_user,
 )
-from service.checkpoints import service
-from service.checkpoints.schemas import CheckpointList
+from service.checkpoints import folder_files, folder_upload, recording, service, tar_stream
+from service.checkpoints.schemas import CheckpointFileList, CheckpointList
 from service.models import Checkpoint
 from service.schemas import CheckpointOut, checkpoint_out, require_storable
 
@@ -56,6 +57,13 @@ def get_checkpoint(ckpt: Annotated[Checkpoint, Depends(caller_checkpoint)]) -> C
     return checkpoint_out(ckpt)
 
 
+@router.delete("/v1/checkpoints/{ckpt_id}", status_code=204, response_class=Response)
+def delete_checkpoint(ckpt_id: CkptId, user: BriefUserDep, db: DbDep, storage: StorageDep) -> Response:
+    """Contract §11: 204; 409 while a queued or running job will resume from it."""
+    recording.delete_checkpoint(db, storage, user, ckpt_id)
+    return Response(status_code=204)
+
+
 @router.get(
     "/v1/checkpoints/{ckpt_id}/download",
     response_class=StreamingResponse,
@@ -65,10 +73,13 @@ async def download_checkpoint(
     request: Request,
     ckpt: Annotated[Checkpoint, Depends(caller_checkpoint_brief)],
     storage: StorageDep,
+    db: DbDep,
     range_: Annotated[str | None, Header(alias="range", max_length=200)] = None,
     if_range: Annotated[str | None, Header(max_length=200)] = None,
     if_none_match: Annotated[str | None, Header(max_length=2000)] = None,
 ) -> Response:
+    if folder_files.is_folder(ckpt):
+        return await _download_folder(request, ckpt, storage, db, range_, if_range, if_none_match)
     try:
         plan = await service.plan_download(
             storage, ckpt, range_header=range_, if_range=if_range, if_none_match=if_none_match
@@ -97,6 +108,90 @@ router.add_api_route(
 )
 
 
+async def _download_folder(
+    request: Request,
+    ckpt: Checkpoint,
+    storage: StorageDep,
+    db: DbDep,
+    range_: str | None,
+    if_range: str | None,
+    if_none_match: str | None,
+) -> Response:
+    """A folder checkpoint's download: its deterministic tar (contract §11, `tar_stream`)."""
+    served = await anyio.to_thread.run_sync(folder_files.load_files, db, ckpt)
+    try:
+        tar = folder_files.plan_tar(
+            ckpt, served, range_header=range_, if_range=if_range, if_none_match=if_none_match
+        )
+    except service.UnsatisfiableRange as exc:
+        return _unsatisfiable(exc)
+    plan = tar.plan
+    if plan.status == 304 or request.method == "HEAD":
+        return Response(status_code=plan.status, headers=plan.headers, media_type="application/x-tar")
+    return StreamingResponse(
+        tar_stream.stream_range(storage, tar.root, tar.files, plan.start, plan.end),
+        status_code=plan.status,
+        headers=plan.headers,
+        media_type="application/x-tar",
+    )
+
+
+def _unsatisfiable(exc: service.UnsatisfiableRange) -> Response:
+    return JSONResponse(
+        {"detail": exc.detail}, status_code=416, headers={"Content-Range": f"bytes */{exc.size}"}
+    )
+
+
+@router.get("/v1/checkpoints/{ckpt_id}/files", response_model=CheckpointFileList)
+def list_checkpoint_files(
+    ckpt: Annotated[Checkpoint, Depends(caller_checkpoint)], session: SessionDep
+) -> CheckpointFileList:
+    """Every file of the checkpoint in manifest order; a file checkpoint lists itself."""
+    return folder_files.list_files(session, ckpt)
+
+
+@router.get(
+    "/v1/checkpoints/{ckpt_id}/files/{path:path}",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}, 206: {}, 304: {}, 404: {}, 416: {}},
+)
+async def download_checkpoint_file(
+    request: Request,
+    path: str,
+    ckpt: Annotated[Checkpoint, Depends(caller_checkpoint_brief)],
+    storage: StorageDep,
+    db: DbDep,
+    range_: Annotated[str | None, Header(alias="range", max_length=200)] = None,
+    if_range: Annotated[str | None, Header(max_length=200)] = None,
+    if_none_match: Annotated[str | None, Header(max_length=2000)] = None,
+) -> Response:
+    """One file of a checkpoint by its path in the listing, with Range, ETag and checksum."""
+    served = await anyio.to_thread.run_sync(folder_files.find_file, db, ckpt, path)
+    try:
+        plan = await folder_files.plan_file(
+            storage, ckpt, served, range_header=range_, if_range=if_range, if_none_match=if_none_match
+        )
+    except service.UnsatisfiableRange as exc:
+        return _unsatisfiable(exc)
+    if plan.status == 304 or request.method == "HEAD":
+        return Response(status_code=plan.status, headers=plan.headers, media_type="application/octet-stream")
+    return StreamingResponse(
+        service.read_range(storage, served.storage_key, plan.start, plan.end),
+        status_code=plan.status,
+        headers=plan.headers,
+        media_type="application/octet-stream",
+    )
+
+
+router.add_api_route(
+    "/v1/checkpoints/{ckpt_id}/files/{path:path}",
+    download_checkpoint_file,
+    methods=["HEAD"],
+    response_class=StreamingResponse,
+    include_in_schema=False,
+)
+
+
 @router.post("/v1/checkpoints", status_code=201, response_model=CheckpointOut)
 async def upload_checkpoint(
     request: Request,
@@ -104,11 +199,19 @@ async def upload_checkpoint(
     db: DbDep,
     storage: StorageDep,
     settings: SettingsDep,
-    name: Annotated[str, Query(min_length=1, max_length=255), AfterValidator(require_storable)] = "upload.pt",
+    name: Annotated[str | None, Query(min_length=1, max_length=255), AfterValidator(require_storable)] = None,
 ) -> CheckpointOut | Response:
-    """The raw body (`application/octet-stream`) is the file; `?name=` names it."""
+    """The raw body (`application/octet-stream`) is the file; `?name=` names it. A tar or gzip
+    tar body (`application/x-tar`, `application/gzip`) is a folder checkpoint (contract §11)."""
     try:
-        ckpt = await service.create_upload(db, storage, settings, user, name, request.stream())
+        if folder_upload.is_folder_upload(request.headers.get("content-type")):
+            ckpt = await folder_upload.create_folder_upload(
+                db, storage, settings, user, name, request.stream()
+            )
+        else:
+            ckpt = await service.create_upload(
+                db, storage, settings, user, name or "upload.pt", request.stream()
+            )
     except ClientDisconnect:
         return Response(status_code=400)  # nobody is left to read it; the partial file is gone
     return checkpoint_out(ckpt)

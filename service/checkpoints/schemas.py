@@ -9,3 +9,16 @@ from service.schemas import CheckpointOut
 
 class CheckpointList(BaseModel):
     items: list[CheckpointOut]
+
+
+class CheckpointFileOut(BaseModel):
+    """One file of a checkpoint (contract §11); a file checkpoint is one, named as itself."""
+
+    path: str
+    size_bytes: int
+    sha256: str
+    node_rank: int
+
+
+class CheckpointFileList(BaseModel):
+    items: list[CheckpointFileOut]

@@ -91,16 +91,38 @@ async def plan_download(
     if stored != ckpt.size_bytes:
         log.error("checkpoint %s: storage holds %s bytes, recorded %s", ckpt.id, stored, ckpt.size_bytes)
         raise Conflict("the stored checkpoint no longer matches its record")
-    size = ckpt.size_bytes
-    etag = etag_of(ckpt)
-    last_modified = _http_date(ckpt.created_at)
+    return plan_bytes(
+        size=ckpt.size_bytes,
+        sha256=ckpt.sha256,
+        modified=ckpt.created_at,
+        filename=ckpt.name,
+        range_header=range_header,
+        if_range=if_range,
+        if_none_match=if_none_match,
+    )
+
+
+def plan_bytes(
+    *,
+    size: int,
+    sha256: str,
+    modified: datetime,
+    filename: str,
+    range_header: str | None,
+    if_range: str | None,
+    if_none_match: str | None,
+) -> DownloadPlan:
+    """`plan_download` for any body whose size and SHA-256 are known in advance: a stored file,
+    one file of a folder checkpoint, a folder's tar (contract §11). The ETag is the SHA-256."""
+    etag = f'"{sha256}"'
+    last_modified = _http_date(modified)
     headers = {
         "Accept-Ranges": "bytes",
         "ETag": etag,
-        "X-Checksum-SHA256": ckpt.sha256,
+        "X-Checksum-SHA256": sha256,
         "Last-Modified": last_modified,
         "Cache-Control": "private, no-transform",
-        "Content-Disposition": _attachment(ckpt.name),
+        "Content-Disposition": _attachment(filename),
     }
     if if_none_match is not None and _etag_listed(if_none_match, etag):
         return DownloadPlan(status=304, start=0, end=0, headers=headers)

@@ -23,10 +23,15 @@ def register(app: typer.Typer) -> None:
     users_app.command("set-priority")(users_set_priority)
     users_app.command("revoke")(users_revoke)
     app.command()(usage)
-    workers_app = typer.Typer(help="The worker hosts: list them, readmit a quarantined one.")
+    workers_app = typer.Typer(help="The worker hosts: list them, drain one, readmit one.")
     app.add_typer(workers_app, name="workers")
     workers_app.callback(invoke_without_command=True)(workers)
     workers_app.command("readmit")(workers_readmit)
+    workers_app.command("drain")(workers_drain)
+    admin_app = typer.Typer(help="Cluster operations (admin): drain a worker host.", no_args_is_help=True)
+    app.add_typer(admin_app, name="admin")
+    admin_app.command("drain")(workers_drain)
+    admin_app.command("readmit")(workers_readmit)
 
 
 def users_add(
@@ -120,6 +125,14 @@ def workers_readmit(
     """Bring a quarantined worker back (admin): it takes work again (contract §8)."""
     with api(url, token) as client:
         worker = client.readmit(name)
+    emit(worker, output) if output == "json" else typer.echo(f"{worker['name']}: {worker['state']}")
+
+
+def workers_drain(name: str, url: UrlOpt = None, token: TokenOpt = None, output: OutputOpt = "table") -> None:
+    """Drain a worker (admin): nothing new goes there, its jobs are stopped as if preempted and
+    queued again; `readmit` ends it (contract §12)."""
+    with api(url, token) as client:
+        worker = client.drain(name)
     emit(worker, output) if output == "json" else typer.echo(f"{worker['name']}: {worker['state']}")
 
 

@@ -12,10 +12,10 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -23,8 +23,12 @@ from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_ex
 
 from service.client.download import download_checkpoint
 from service.client.errors import ApiError, read_json
+from service.client.folder_pack import folder_files, packed_chunks, packed_size
 from service.client.pack import pack_folder
 from service.states import JobState
+
+if TYPE_CHECKING:
+    from service.client.exec_client import ExecResult
 
 TERMINAL = tuple(str(s) for s in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED))
 # Streams: reconnect on any transport failure, and count a connection silent for longer than
@@ -112,9 +116,21 @@ class Client:
         return self._get("/v1/code")["items"]
 
     def list(
-        self, state: str | None = None, limit: int = 50, cursor: str | None = None, parent: int | None = None
+        self,
+        state: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+        parent: int | None = None,
+        order: str | None = None,
     ) -> dict[str, Any]:
-        return self._get("/v1/jobs", state=state, limit=limit, cursor=cursor, parent=parent)
+        """`order="objective"` (with `parent`): a sweep's children, best first (contract §13)."""
+        return self._get("/v1/jobs", state=state, limit=limit, cursor=cursor, parent=parent, order=order)
+
+    def metrics(self, job_id: int, names: Iterable[str] | str | None = None) -> dict[str, Any]:
+        """`{"names": [...], "series": [{"step","epoch","ts",name: value...}...]}`; `names`
+        (a list or "a,b"): only those series."""
+        wanted = names if names is None or isinstance(names, str) else ",".join(names)
+        return dict(self._get(f"/v1/jobs/{job_id}/metrics", names=wanted or None))
 
     def events(self, job_id: int, after: int = 0) -> builtins.list[dict[str, Any]]:
         return self._get(f"/v1/jobs/{job_id}/events", after=after)["items"]
@@ -229,6 +245,18 @@ class Client:
     def cancel(self, job_id: int) -> dict[str, Any]:
         return read_json(self.http.post(f"/v1/jobs/{job_id}/cancel"))
 
+    def exec(
+        self, job_id: int, cmd: str, *, node_rank: int = 0, local_rank: int = 0, stdin: bytes = b""
+    ) -> ExecResult:
+        """Contract §14: `cmd` inside that rank's sandbox; its output and exit code."""
+        from service.client.exec_client import run_exec
+
+        auth = self.http.headers.get("Authorization", "")
+        return run_exec(
+            str(self.http.base_url), auth.removeprefix("Bearer ") or None, job_id, cmd,
+            node_rank=node_rank, local_rank=local_rank, stdin=stdin,
+        )  # fmt: skip
+
     def users(self) -> builtins.list[dict[str, Any]]:
         return list(self._get("/v1/users")["items"])
 
@@ -252,6 +280,9 @@ class Client:
     def readmit(self, worker: str) -> dict[str, Any]:
         return dict(read_json(self.http.post(f"/v1/workers/{quote(worker, safe='')}/readmit")))
 
+    def drain(self, worker: str) -> dict[str, Any]:
+        return dict(read_json(self.http.post(f"/v1/workers/{quote(worker, safe='')}/drain")))
+
     def checkpoints(self, job_id: int) -> builtins.list[dict[str, Any]]:
         return self._get(f"/v1/jobs/{job_id}/checkpoints")["items"]
 
@@ -259,6 +290,11 @@ class Client:
         return self._get(f"/v1/checkpoints/{ckpt_id}")
 
     def upload(self, path: str, name: str | None = None) -> dict[str, Any]:
+        """A file checkpoint; or a folder (contract §11), sent as a tar of its regular files,
+        named after the folder unless `name` is given."""
+        if os.path.isdir(path):
+            return self._upload_folder(path, name)
+
         def chunks() -> Iterator[bytes]:
             with open(path, "rb") as fh:
                 while chunk := fh.read(1024 * 1024):
@@ -277,7 +313,27 @@ class Client:
             )
         )
 
+    def _upload_folder(self, path: str, name: str | None) -> dict[str, Any]:
+        top = os.path.basename(os.path.abspath(path)) or "upload"
+        files = folder_files(path)
+        return read_json(
+            self.http.post(
+                "/v1/checkpoints",
+                params={"name": name} if name else {},
+                content=packed_chunks(top, files),
+                headers={"Content-Type": "application/x-tar", "Content-Length": str(packed_size(top, files))},
+                timeout=None,
+            )
+        )
+
+    def checkpoint_files(self, ckpt_id: int) -> builtins.list[dict[str, Any]]:
+        """A checkpoint's files (contract §11): path, size_bytes, sha256, node_rank."""
+        return self._get(f"/v1/checkpoints/{ckpt_id}/files")["items"]
+
     def download(self, ckpt_id: int, dest: str, progress: Any = None) -> str:
+        """A file checkpoint into the file `dest`; a folder checkpoint into `dest/NAME/…`, file
+        by file. Resumes what an earlier call left, verifies every file (and a folder's
+        manifest); returns the checkpoint's verified SHA-256."""
         return download_checkpoint(self.http, ckpt_id, self.checkpoint(ckpt_id), dest, progress)
 
 

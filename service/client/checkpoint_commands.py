@@ -12,7 +12,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from service.client.common import OutputLongOpt, OutputOpt, TokenOpt, UrlOpt, api, console, emit
-from service.client.download import ChecksumMismatch
+from service.client.download import ChecksumMismatch, UnsafeListing, folder_destination
+from service.client.folder_pack import FolderChanged
 
 
 def register(app: typer.Typer) -> None:
@@ -44,16 +45,23 @@ def checkpoints(job_id: int, url: UrlOpt = None, token: TokenOpt = None, output:
 
 def download(
     ckpt_id: int,
-    out: Annotated[Path | None, typer.Option("-o", "--out", help="destination file")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("-o", "--out", help="destination file (a folder checkpoint: folder, NAME/ goes in it)"),
+    ] = None,
     url: UrlOpt = None,
     token: TokenOpt = None,
     output: OutputLongOpt = "table",
 ) -> None:
-    """Download a checkpoint with a progress bar; resumes and verifies its SHA-256."""
+    """Download a checkpoint with a progress bar; resumes and verifies its SHA-256.
+
+    A folder checkpoint is fetched file by file into OUT/NAME/ (OUT defaults to the current
+    folder), every file and the manifest verified."""
     with api(url, token) as client:
         try:
             meta = client.checkpoint(ckpt_id)
-            dest = str(out or meta["name"])
+            folder = meta.get("kind") == "folder"
+            dest = str(out or ("." if folder else meta["name"]))
             with Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),
@@ -64,23 +72,32 @@ def download(
                 task = bar.add_task(meta["name"], total=meta["size_bytes"])
                 sha = client.download(ckpt_id, dest, lambda d, t: bar.update(task, completed=d, total=t))
         except ChecksumMismatch as exc:
-            console.print(f"[red]error[/red]: {exc}; nothing was kept")
+            console.print(f"[red]error[/red]: {exc}; the unverified bytes were not kept")
+            raise typer.Exit(1) from None
+        except UnsafeListing as exc:
+            console.print(f"[red]error[/red]: {exc}; nothing was written")
             raise typer.Exit(1) from None
         except httpx.TransportError as exc:
             console.print(f"[red]error[/red]: {exc!r}; run the same command again to resume")
             raise typer.Exit(1) from None
+    if folder:
+        dest = folder_destination(ckpt_id, meta, dest)
     result = {"id": ckpt_id, "path": dest, "sha256": sha, "verified": True}
     emit(result, output) if output == "json" else typer.echo(f"{dest} sha256 {sha} verified")
 
 
 def upload(
-    path: Annotated[Path, typer.Argument(exists=True, dir_okay=False)],
+    path: Annotated[Path, typer.Argument(exists=True)],
     name: Annotated[str | None, typer.Option()] = None,
     url: UrlOpt = None,
     token: TokenOpt = None,
     output: OutputOpt = "table",
 ) -> None:
-    """Upload your own checkpoint to resume from."""
+    """Upload your own checkpoint to resume from: a file, or a folder (its regular files)."""
     with api(url, token) as client:
-        ckpt = client.upload(str(path), name)
+        try:
+            ckpt = client.upload(str(path), name)
+        except FolderChanged as exc:
+            console.print(f"[red]error[/red]: {exc}; nothing was kept, send it again once it is complete")
+            raise typer.Exit(1) from None
     emit(ckpt, output) if output == "json" else typer.echo(ckpt["id"])

@@ -134,6 +134,7 @@ def readmit(session: Session, worker_name: str) -> Worker:
         log.info("worker %s readmitted (was: %s)", worker_name, worker.quarantine_reason)
     worker.quarantine_reason, worker.infra_failures = None, 0
     worker.job_failures, worker.job_failure_owners = 0, None
+    worker.draining_since = None  # a drain ends too (contract §12)
     return worker
 
 

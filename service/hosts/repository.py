@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 
-from sqlalchemy import Row, select, update
+from sqlalchemy import Row, func, select, update
 from sqlalchemy.orm import Session
 
-from service.models import GpuAllocation, Job, Worker
-from service.states import WorkerState
+from service.models import GpuAllocation, Job, NodeRun, Worker
+from service.states import JobState, WorkerState
 
 
 def all_workers(session: Session) -> Sequence[Worker]:
@@ -91,3 +91,76 @@ def host_sessions(session: Session) -> Sequence[Row[str, str, str]]:
 
 def add_allocations(session: Session, rows: Iterable[GpuAllocation]) -> None:
     session.add_all(rows)
+
+
+# -- contract §12: what preemption may stop, and hosts being drained ----------------------------
+
+
+def held_by_jobs(session: Session) -> Sequence[Row[int, str, int]]:
+    """(job id, host, GPUs) for every job holding GPUs: preemption's view of the cluster."""
+    query = select(GpuAllocation.job_id, GpuAllocation.worker_name, func.count()).group_by(
+        GpuAllocation.job_id, GpuAllocation.worker_name
+    )
+    return session.execute(query).all()
+
+
+def lowest_preemptible_priority(session: Session, states: tuple[str, ...]) -> int | None:
+    """The lowest priority of a preemptible job in `states` that is not being stopped."""
+    query = select(func.min(Job.priority)).where(
+        Job.state.in_(states), Job.preemptible.is_(True), Job.preempting_since.is_(None)
+    )
+    return session.execute(query).scalar_one_or_none()
+
+
+def draining_hosts(session: Session) -> list[str]:
+    return list(session.execute(select(Worker.name).where(Worker.draining_since.is_not(None))).scalars())
+
+
+def jobs_with_nodes_on(session: Session, hosts: list[str], states: tuple[str, ...]) -> list[int]:
+    """Jobs in `states` with a node of their current attempt on one of `hosts`, not being stopped."""
+    query = (
+        select(Job.id)
+        .join(NodeRun, (NodeRun.job_id == Job.id) & (NodeRun.attempt == Job.attempt))
+        .where(NodeRun.worker_name.in_(hosts), Job.state.in_(states), Job.preempting_since.is_(None))
+        .distinct()
+    )
+    return list(session.execute(query).scalars())
+
+
+def jobs_holding_gpus_on(session: Session, name: str) -> int:
+    """How many jobs hold GPU slots on the host (a drained host holds none)."""
+    query = select(func.count(func.distinct(GpuAllocation.job_id))).where(GpuAllocation.worker_name == name)
+    return int(session.execute(query).scalar_one())
+
+
+def any_preempting(session: Session) -> bool:
+    """Whether some job's attempt is being stopped for another job."""
+    query = (
+        select(Job.id)
+        .where(
+            Job.preempted_by.is_not(None),
+            Job.preempting_since.is_not(None),
+            Job.state.in_((JobState.SCHEDULED, JobState.RUNNING, JobState.CANCELLING)),
+        )
+        .limit(1)
+    )
+    return session.execute(query).first() is not None
+
+
+def job_facts(
+    session: Session, job_ids: set[int]
+) -> Sequence[Row[int, int, int, datetime | None, bool, str, datetime | None, int | None]]:
+    """(id, priority, owner, started_at, preemptible, state, preempting_since, preempted_by)."""
+    if not job_ids:
+        return []
+    query = select(
+        Job.id,
+        Job.priority,
+        Job.owner_id,
+        Job.started_at,
+        Job.preemptible,
+        Job.state,
+        Job.preempting_since,
+        Job.preempted_by,
+    ).where(Job.id.in_(sorted(job_ids)))
+    return session.execute(query).all()

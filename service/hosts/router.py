@@ -19,5 +19,13 @@ def list_workers(session: SessionDep, user: UserDep) -> WorkerList:
 
 @router.post("/{name}/readmit", response_model=WorkerOut)
 def readmit(name: WorkerName, session: SessionDep, _admin: AdminDep) -> WorkerOut:
-    """A quarantined host takes work again, its count of failures in a row reset (contract §8)."""
+    """A quarantined host takes work again, its count of failures in a row reset (contract §8);
+    a drained (or draining) one too (contract §12)."""
     return service.readmit_worker(session, name)
+
+
+@router.post("/{name}/drain", response_model=WorkerOut)
+def drain(name: WorkerName, session: SessionDep, _admin: AdminDep) -> WorkerOut:
+    """Nothing new goes there; what runs there is stopped as if preempted, and queued again
+    (contract §12). `state` is `draining`, then `drained`; `readmit` ends it."""
+    return service.drain_worker(session, name)

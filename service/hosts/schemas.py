@@ -12,7 +12,9 @@ class WorkerOut(BaseModel):
     gpus: int
     gpu_ids: list[str]  # the physical GPU behind each slot: the worker's CUDA_VISIBLE_DEVICES entries
     gpus_free: int
-    state: str  # "online" | "offline" | "quarantined" (online, but taking no new work: contract §8)
+    # "online" | "offline" | "quarantined" (online, but taking no new work: contract §8) |
+    # "draining" | "drained" (an admin's drain, jobs still stopping there, or none left: §12)
+    state: str
     reason: str | None = None  # why it is quarantined
     infra_failures: int = 0  # attempts in a row that ended in an infrastructure failure here
     last_heartbeat: datetime

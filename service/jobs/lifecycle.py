@@ -19,6 +19,7 @@ from service.checkpoints import repository as checkpoints_repo
 from service.db import Database
 from service.hosts import repository as hosts_repo
 from service.hosts.health import HostVerdict, failure_verdict, record_node_end
+from service.jobs import preemption
 from service.jobs import repository as repo
 from service.jobs.states import (
     ACTIVE,
@@ -84,6 +85,8 @@ def finish_node(session: Session, job_id: int, attempt: int, node_rank: int, out
         return False
     if job.state == CANCELLING:
         _finish_cancel_if_quiet(session, job)
+    elif job.preempting_since is not None:  # stopped on purpose: queued again once all ended (§12)
+        preemption.settle(session, job)
     elif job.state in (SCHEDULED, RUNNING):
         if outcome.state == NodeState.SUCCEEDED:
             _succeed_if_all_done(session, job)
@@ -98,7 +101,7 @@ def end_attempt(session: Session, job: Job, exit_code: int | None, error: str, r
     job.exit_code, job.error = exit_code, error
     for run in repo.runs_of(session, job.id, job.attempt):
         transition_node(run, NodeState.LOST)
-    if retryable and job.attempt <= job.max_retries:
+    if retryable and job.attempt - (job.free_attempts or 0) <= job.max_retries:  # (§12: preemptions free)
         transition_job(session, job, QUEUED, f"retrying after: {_summary(exit_code, error)}")
         job.attempt += 1
         job.pending_reason = "waiting for the scheduler"
@@ -158,6 +161,9 @@ def lose_node(session: Session, run: NodeRun, reason: str) -> bool:
     transition_node(run, NodeState.LOST, error=reason)
     if job.state == CANCELLING:
         cancel_pending_nodes(session, job)
+        return False
+    if job.preempting_since is not None:  # being stopped anyway (contract §12)
+        preemption.settle(session, job)
         return False
     detail = f"{reason}: node {run.node_rank} on worker {run.worker_name}"
     end_attempt(session, job, None, detail, retryable=True)

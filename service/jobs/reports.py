@@ -15,7 +15,9 @@ from typing import Any, Protocol
 from sqlalchemy.orm import Session
 
 from service.db import Database
+from service.jobs import metrics
 from service.jobs import repository as repo
+from service.jobs.asha import EARLY_STOP, review_after_report
 from service.jobs.schemas import PROGRESS_FIELDS
 from service.jobs.states import append_attempt_events
 from service.models import LogChunk, utcnow
@@ -72,7 +74,16 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
             latest.update({k: data[k] for k in PROGRESS_FIELDS if k in data})
         if latest != job.progress:
             repo.set_progress(session, key.job_id, latest)
-        return JobControl(job.state, key.attempt, job.last_report_at)
+        first_seq = job.last_event_seq - len(cleaned) + 1
+        recorded = metrics.record(session, key.job_id, key.attempt, first_seq, cleaned)
+        grace = job.stop_grace_s if job.preempting_since is not None else None  # contract §12
+        control = JobControl(
+            job.state, key.attempt, job.last_report_at, stop=recorded.stop_intent, stop_grace_s=grace
+        )
+    parent = recorded.parent_id if recorded.objective_moved else None
+    if parent is not None and review_after_report(db, parent, key.job_id):  # an ASHA rung: stop (§13)
+        return control._replace(stop=EARLY_STOP)
+    return control
 
 
 def touch_report(session: Session, key: NodeKey) -> JobControl | None:
@@ -81,7 +92,10 @@ def touch_report(session: Session, key: NodeKey) -> JobControl | None:
     the job-view feed on PostgreSQL); the job is read back for the supervisor's look."""
     now = utcnow()
     row = repo.touch_last_report(session, key.job_id, key.attempt, now, now - REPORT_RESOLUTION)
-    return JobControl(row.state, row.attempt, row.last_report_at) if row else _control(session, key.job_id)
+    if row is None:
+        return _control(session, key.job_id)
+    grace = repo.stop_grace_of(row.preempting_since, row.stop_grace_s)
+    return JobControl(row.state, row.attempt, row.last_report_at, stop=row.stop_intent, stop_grace_s=grace)
 
 
 def node_event(db: Transactions, key: NodeKey, type_: str, data: dict[str, Any]) -> None:
@@ -104,7 +118,11 @@ def peers_ended_at(db: Database, key: NodeKey) -> datetime | None:
 
 def _control(session: Session, job_id: int) -> JobControl | None:
     row = repo.control(session, job_id)
-    return JobControl(row.state, row.attempt, row.last_report_at) if row else None
+    if row is None:
+        return None
+    return JobControl(
+        row.state, row.attempt, row.last_report_at, stop=row.stop_intent, stop_grace_s=row.stop_grace_s
+    )
 
 
 def _clean(event: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, Select, and_, bindparam, func, or_, select, update
+from sqlalchemy import Connection, Row, Select, and_, bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.models import Checkpoint, Job, JobAttempt, JobDependency, JobEvent, LogChunk, NodeRun, User
@@ -103,6 +103,27 @@ def _page_ids_query(given: tuple[str, ...]) -> Select[int]:
         "parent_id": Job.parent_id == bindparam("parent_id"),
     }
     return query.where(*(filters[name] for name in given))
+
+
+def children_by_objective(
+    conn: Connection, parent_id: int, state: str | None, limit: int, offset: int
+) -> list[int]:
+    """A sweep's children by `objective_value` (the parent's mode), those without one last."""
+    sweep: dict[str, Any] = (
+        conn.execute(select(Job.sweep).where(Job.id == parent_id)).scalar_one_or_none() or {}
+    )
+    mode = (sweep.get("objective") or {}).get("mode", "min")
+    value = Job.objective_value
+    query = (
+        select(Job.id)
+        .where(Job.parent_id == parent_id)
+        .order_by(value.is_(None), value.asc() if mode == "min" else value.desc(), Job.id)
+        .limit(limit)
+        .offset(offset)
+    )
+    if state is not None:
+        query = query.where(Job.state == state)
+    return list(conn.execute(query).scalars())
 
 
 def jobs_by_ids(session: Session, job_ids: Sequence[int]) -> list[Job]:
@@ -210,22 +231,33 @@ def states_and_owners(session: Session, job_ids: list[int]) -> dict[int, Row[int
     return {r.id: r for r in session.execute(query)}
 
 
-def control(session: Session, job_id: int) -> Row[str, int, datetime | None] | None:
-    """(state, attempt, last_report_at): what a node's supervisor looks at."""
+def control(session: Session, job_id: int) -> Row[str, int, datetime | None, str | None, int | None] | None:
+    """(state, attempt, last_report_at, stop_intent): what a node's supervisor looks at."""
     return session.execute(
-        select(Job.state, Job.attempt, Job.last_report_at).where(Job.id == job_id)
+        select(Job.state, Job.attempt, Job.last_report_at, Job.stop_intent, STOP_GRACE).where(
+            Job.id == job_id
+        )
     ).one_or_none()
+
+
+# contract §12: the job's `stop_grace_s` while a preemption (or a drain) stops its attempt, else NULL
+STOP_GRACE = case((Job.preempting_since.is_not(None), Job.stop_grace_s), else_=None).label("stop_grace_s")
 
 
 def set_progress(session: Session, job_id: int, progress: dict[str, Any]) -> None:
     session.execute(update(Job).where(Job.id == job_id).values(progress=progress))
 
 
+def stop_grace_of(preempting_since: datetime | None, stop_grace_s: int) -> int | None:
+    """STOP_GRACE, in Python: the job's grace while a stop is asked of its attempt, else None."""
+    return stop_grace_s if preempting_since is not None else None
+
+
 def touch_last_report(
     session: Session, job_id: int, attempt: int, now: datetime, stale_before: datetime
-) -> Row[str, int, datetime | None] | None:
+) -> Row[str, int, datetime | None, str | None, datetime | None, int] | None:
     """`last_report_at = now` on the job's `attempt` when it is older than `stale_before` (or
-    unset); (state, attempt, last_report_at) when written, None when not."""
+    unset); (state, attempt, last_report_at, stop_intent) when written, None when not."""
     return session.execute(
         update(Job)
         .where(
@@ -234,7 +266,16 @@ def touch_last_report(
             or_(Job.last_report_at.is_(None), Job.last_report_at < stale_before),
         )
         .values(last_report_at=now)
-        .returning(Job.state, Job.attempt, Job.last_report_at)
+        # plain columns only: SQLite 3.40's RETURNING evaluates `x IS NULL` wrongly (true of
+        # a NULL column's IS NOT NULL); the grace is worked out in Python (`stop_grace_of`)
+        .returning(
+            Job.state,
+            Job.attempt,
+            Job.last_report_at,
+            Job.stop_intent,
+            Job.preempting_since,
+            Job.stop_grace_s,
+        )
         .execution_options(synchronize_session=False)
     ).one_or_none()
 

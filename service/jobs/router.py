@@ -22,7 +22,7 @@ from service.api.deps import (
 from service.checkpoints.resume_check import check_resumable
 from service.config import Settings
 from service.db import Database
-from service.jobs import service
+from service.jobs import metrics, service
 from service.jobs.cached_reads import job_list_json, job_view_json
 from service.jobs.dependencies import resumes_from_dependency
 from service.jobs.schemas import EventList, JobList, JobOut, MetricsOut
@@ -120,10 +120,16 @@ async def list_jobs(
         BlankIsAbsent,
         int_or_blank(1, MAX_ID),
     ] = None,
+    order: Annotated[
+        str | None,
+        Query(max_length=16, description='"objective": a sweep\'s children, best first (with parent)'),
+        BlankIsAbsent,
+    ] = None,
 ) -> Response:
-    """Newest first. The page is assembled from the job-view cache's rendered jobs where it
-    holds them, in one thread-pool hop (`service.jobs.cached_reads`)."""
-    query = service.ListQuery(state=state, limit=limit, cursor=cursor, parent=parent)
+    """Newest first, or with `order=objective` a sweep's children by the last value of its
+    objective (contract §13). The page is assembled from the job-view cache's rendered jobs
+    where it holds them, in one thread-pool hop (`service.jobs.cached_reads`)."""
+    query = service.ListQuery(state=state, limit=limit, cursor=cursor, parent=parent, order=order)
     body = await job_list_json(db, request.app.state.view_cache, creds, query)
     return Response(body, media_type="application/json")
 
@@ -147,12 +153,22 @@ def cancel_job(job: JobDep, session: SessionDep, user: UserDep) -> JobOut:
 def list_events(
     job: JobDep,
     session: SessionDep,
+    user: UserDep,
     after: Annotated[int, Query(ge=0, le=MAX_ID), BlankIsAbsent, int_or_blank(0, MAX_ID)] = 0,
     limit: Annotated[int, Query(ge=1, le=10_000), BlankIsAbsent, int_or_blank(1, 10_000)] = 1000,
 ) -> EventList:
-    return EventList(items=service.list_events(session, job, after, limit))
+    return EventList(items=service.list_events(session, job, after, limit, viewer=user))
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsOut)
-def job_metrics(job: JobDep, session: SessionDep) -> MetricsOut:
-    return service.metrics(session, job)
+def job_metrics(
+    job: JobDep,
+    session: SessionDep,
+    names: Annotated[
+        str | None, Query(max_length=8192, description="comma-separated series names: only those")
+    ] = None,
+) -> Response:
+    """Every series of the job (contract §13), or the named ones: the body is assembled from
+    the stored points without a model round-trip (`service.jobs.metrics`)."""
+    body = metrics.series_json(session, job.id, metrics.parse_names(names))
+    return Response(body, media_type="application/json")

@@ -55,6 +55,9 @@ class SweepOut(BaseModel):
     children: int
     ended: int
     states: dict[str, int]  # children per state
+    objective: dict[str, Any] | None = None  # {"metric", "mode"} (contract §13)
+    early_stop: dict[str, Any] | None = None  # {"kind": "asha", "min_epochs", "reduction_factor"}
+    best: dict[str, Any] | None = None  # {"job_id", "point", "value"}: by the children's last values
 
 
 class JobOut(BaseModel):
@@ -69,10 +72,13 @@ class JobOut(BaseModel):
     hyperparameters: dict[str, Any] | None
     resume_from: dict[str, Any] | None
     max_retries: int
+    keep_checkpoints: int | None = None  # contract §11
     max_duration_s: int | None = None  # contract §8
     stall_timeout_s: int | None = None
     attempt: int
     priority: int
+    preemptible: bool = True  # contract §12
+    stop_grace_s: int = 120
     labels: dict[str, str]
     code: str | None = None  # the uploaded Code the job runs in (contract §6)
     environment: dict[str, Any] | None = None
@@ -90,6 +96,7 @@ class JobOut(BaseModel):
     parent_id: int | None = None  # a sweep's child: its parent
     sweep_point: dict[str, Any] | None = None  # a sweep's child: its values, by spec path
     sweep: SweepOut | None = None  # a sweep's parent: its grid and its children's states
+    stopped_early: dict[str, Any] | None = None  # {"epoch", "value"}: an ASHA rung stopped it (§13)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -112,4 +119,5 @@ class EventList(BaseModel):
 
 
 class MetricsOut(BaseModel):
+    names: list[str] = []  # every name the job reported (contract §13)
     series: list[dict[str, Any]]

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from service.checkpoints import repository as checkpoints_repo
 from service.config import Settings
 from service.errors import InvalidSpec, NotFound
+from service.jobs import preemption
 from service.jobs import repository as repo
 from service.jobs.dependencies import add_dependencies, fail_dependants
 from service.jobs.schemas import (
@@ -26,7 +27,6 @@ from service.jobs.schemas import (
     AttemptOut,
     EventOut,
     JobOut,
-    MetricsOut,
     Progress,
     SweepOut,
 )
@@ -140,9 +140,12 @@ def new_job(
         environment=spec.environment.model_dump() if spec.environment else None,
         depends_on=[d.model_dump() for d in spec.depends_on] or None,
         max_retries=spec.max_retries,
+        keep_checkpoints=spec.keep_checkpoints,
         max_duration_s=spec.max_duration_s,
         stall_timeout_s=spec.stall_timeout_s,
         priority=spec.priority,
+        preemptible=spec.preemptible,
+        stop_grace_s=spec.stop_grace_s,
         attempt=1,
         idempotency_key=idempotency_key,
         pending_reason="waiting for the scheduler",
@@ -172,6 +175,7 @@ class ListQuery:
     limit: int = 50
     cursor: str | None = None
     parent: int | None = None
+    order: str | None = None  # "objective": a sweep's children by their last value (contract §13)
 
 
 def list_job_ids(conn: Connection, owner_id: int | None, query: ListQuery) -> tuple[list[int], str | None]:
@@ -180,12 +184,28 @@ def list_job_ids(conn: Connection, owner_id: int | None, query: ListQuery) -> tu
     404, as if it did not exist."""
     if query.state is not None and query.state not in ALL_STATES:
         raise InvalidSpec(("state",), f"unknown state; one of {', '.join(ALL_STATES)}")
+    if query.order is not None and query.order != "objective":
+        raise InvalidSpec(("order",), 'unknown order; "objective" (with parent), or none: newest first')
+    if query.order is not None and query.parent is None:
+        raise InvalidSpec(("order",), "order=objective lists a sweep's children: give parent")
     before = _parse_cursor(query.cursor)
     if query.parent is not None and not repo.job_exists(conn, query.parent, owner_id):
         raise NotFound("job")
+    if query.order is not None and query.parent is not None:
+        return _by_objective(conn, query.parent, query.state, query.limit, before or 0)
     ids = repo.list_job_ids(conn, owner_id, query.state, query.limit + 1, before, query.parent)
     page = ids[: query.limit]
     return page, str(page[-1]) if len(ids) > query.limit and page else None
+
+
+def _by_objective(
+    conn: Connection, parent_id: int, state: str | None, limit: int, offset: int
+) -> tuple[list[int], str | None]:
+    """A sweep's children best first by their last value of its objective, those without one
+    last (then by id); the cursor is the offset of the next page (a sweep has at most 1,000)."""
+    ids = repo.children_by_objective(conn, parent_id, state, limit + 1, offset)
+    page = ids[:limit]
+    return page, str(offset + limit) if len(ids) > limit else None
 
 
 def _parse_cursor(cursor: str | None) -> int | None:
@@ -220,17 +240,11 @@ def cancel_job(session: Session, user: User, job_id: int) -> Job:
     return job
 
 
-def list_events(session: Session, job: Job, after: int, limit: int = 1000) -> list[EventOut]:
-    return [EventOut.model_validate(e) for e in repo.events_after(session, job.id, after, limit)]
-
-
-def metrics(session: Session, job: Job) -> MetricsOut:
-    series = []
-    for event in repo.progress_events(session, job.id):
-        point = {k: event.data.get(k) for k in PROGRESS_FIELDS}
-        point["ts"] = event.ts.isoformat()
-        series.append(point)
-    return MetricsOut(series=series)
+def list_events(
+    session: Session, job: Job, after: int, limit: int = 1000, viewer: User | None = None
+) -> list[EventOut]:
+    items = [EventOut.model_validate(e) for e in repo.events_after(session, job.id, after, limit)]
+    return preemption.redact(session, viewer, job.id, items)  # a preemptor's id (contract §12)
 
 
 def progress_of(job: Job) -> Progress:
@@ -261,6 +275,9 @@ def sweep_out(job: Job) -> SweepOut | None:
         children=progress.get("children", 0),
         ended=progress.get("ended", 0),
         states=progress.get("states", {}),
+        objective=job.sweep.get("objective"),
+        early_stop=job.sweep.get("early_stop"),
+        best=job.sweep.get("best"),
     )
 
 
@@ -303,10 +320,13 @@ def job_views(
             hyperparameters=j.hyperparameters,
             resume_from=j.resume_from,
             max_retries=j.max_retries,
+            keep_checkpoints=j.keep_checkpoints,
             max_duration_s=j.max_duration_s,
             stall_timeout_s=j.stall_timeout_s,
             attempt=j.attempt,
             priority=j.priority,
+            preemptible=j.preemptible if j.preemptible is not None else True,
+            stop_grace_s=j.stop_grace_s or 120,
             labels=j.labels or {},
             code=j.code,
             environment=j.environment,
@@ -323,6 +343,7 @@ def job_views(
             parent_id=j.parent_id,
             sweep_point=j.sweep_point,
             sweep=sweep_out(j),
+            stopped_early=j.stopped_early,
             gpu_seconds=round(sum(a.gpu_seconds for a in attempts.get(j.id, [])), 3),
             created_at=j.created_at,
             started_at=j.started_at,

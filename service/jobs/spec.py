@@ -161,6 +161,24 @@ GridPath = Annotated[str, Field(pattern=GRID_PATH_RE, max_length=128)]
 MAX_SWEEP_POINTS = 1000
 
 
+METRIC_NAME = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[^\x00-\x1f]+$")]
+
+
+class Objective(Input):
+    """What a sweep compares its children by (contract §13): the last value of one series."""
+
+    metric: METRIC_NAME
+    mode: Literal["min", "max"]
+
+
+class EarlyStop(Input):
+    """ASHA (contract §13): rungs at min_epochs * reduction_factor**k epochs."""
+
+    kind: Literal["asha"]
+    min_epochs: int = Field(ge=1, le=100_000)
+    reduction_factor: int = Field(ge=2, le=100)
+
+
 class Sweep(Input):
     """A grid over spec fields (contract §10): one child job per point, each validated as if
     it had been submitted alone (`service.jobs.sweeps`)."""
@@ -171,6 +189,15 @@ class Sweep(Input):
         description='dotted spec paths to values: {"hyperparameters.lr": [0.1, 0.01]}',
     )
     max_parallel: int | None = Field(None, ge=1, le=MAX_SWEEP_POINTS, description="children running at once")
+    objective: Objective | None = None
+    early_stop: EarlyStop | None = None
+
+    @field_validator("early_stop")
+    @classmethod
+    def _early_stop_needs_objective(cls, v: EarlyStop | None, info: ValidationInfo) -> EarlyStop | None:
+        if v is not None and info.data.get("objective") is None and "objective" in info.data:
+            raise ValueError("early_stop needs an objective: the metric its rungs compare")
+        return v
 
     @field_validator("grid")
     @classmethod
@@ -190,13 +217,16 @@ class Sweep(Input):
 
 class JobSpec(Input):
     name: NAME | None = None
-    mode: Literal["single", "dp", "ddp"]
+    mode: Literal["single", "dp", "ddp", "fsdp"]
     nodes: int = Field(1, ge=1, le=64)
     gpus_per_node: int = Field(1, ge=1, le=64)
     entrypoint: Entrypoint
     hyperparameters: Hyperparameters | None = None
     resume_from: ResumeFrom | None = None
     max_retries: int = Field(0, ge=0, le=10)
+    keep_checkpoints: int | None = Field(
+        None, ge=1, le=1_000_000, description="keeps the job's newest N checkpoints (null: all; contract §11)"
+    )
     max_duration_s: int | None = Field(
         None, ge=1, le=10**8, description="seconds over all attempts, then checkpoint and fail (null: none)"
     )
@@ -207,6 +237,10 @@ class JobSpec(Input):
         description="seconds with no log, event or checkpoint from any rank (null: off)",
     )
     priority: int = Field(0, ge=-1000, le=1000)
+    preemptible: bool = Field(True, description="a job of higher priority may stop it (contract §12)")
+    stop_grace_s: int = Field(
+        120, ge=1, le=86400, description="seconds between SIGTERM and SIGKILL when it is preempted"
+    )
     env: dict[str, Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict, max_length=64)
     labels: dict[str, Annotated[str, Field(max_length=256)]] = Field(default_factory=dict, max_length=32)
     code: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="an uploaded Code id")
@@ -219,7 +253,7 @@ class JobSpec(Input):
     def _nodes_fit_mode(cls, v: int, info: ValidationInfo) -> int:
         mode = info.data.get("mode")
         if v > 1 and mode in ("single", "dp"):
-            raise ValueError(f"mode {mode!r} runs on one node; only 'ddp' may use nodes > 1")
+            raise ValueError(f"mode {mode!r} runs on one node; only 'ddp' and 'fsdp' may use nodes > 1")
         return v
 
     @field_validator("gpus_per_node")

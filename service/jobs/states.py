@@ -93,7 +93,14 @@ def append_attempt_events(
         update(Job)
         .where(Job.id == job_id, Job.attempt == attempt)
         .values(**values)
-        .returning(Job.last_event_seq, Job.state, Job.progress, Job.last_report_at)
+        .returning(
+            Job.last_event_seq,
+            Job.state,
+            Job.progress,
+            Job.last_report_at,
+            Job.preempting_since,
+            Job.stop_grace_s,
+        )
         .execution_options(synchronize_session=False)
     ).one_or_none()
     if row is not None:

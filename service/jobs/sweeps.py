@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from service.errors import InvalidSpec
 from service.jobs import repository as repo
+from service.jobs.asha import review_sweeps
 from service.jobs.dependencies import add_dependencies, fail_dependants
 from service.jobs.spec import JobSpec
 from service.jobs.states import append_event, create_job, lock_job, transition_job
@@ -145,6 +146,7 @@ def create_children(
     for child, resume_id in zip(children, resume_ids, strict=True):
         job = make(child.spec, resume_id)
         job.parent_id, job.sweep_point = parent.id, child.point
+        job.objective = (parent.sweep or {}).get("objective")  # what its reports are compared by (§13)
         create_job(session, job, f"child {child.index} of sweep {parent.id}")
         if child.spec.depends_on:
             add_dependencies(session, job, child.spec)
@@ -172,8 +174,8 @@ def settle_sweeps(session: Session) -> int:
     live = repo.live_sweeps(session)
     if not live:
         return 0
+    changed = review_sweeps(session)  # objectives and rungs first: a stop may end a child sooner
     counts = repo.state_counts(session, [row.id for row in live])
-    changed = 0
     for row in live:
         if (row.progress or {}).get("states") != counts.get(row.id, {}):
             parent = lock_job(session, row.id)

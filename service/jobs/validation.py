@@ -126,8 +126,25 @@ def resolve_resume(
     target = resume_target(session, spec, user, lock=True)
     if target is None:
         return None
+    check_resume_kind(spec, *target)
     check_resumable(storage, settings, *target)
     return target[0].id
+
+
+def check_resume_kind(spec: JobSpec, file: ResumeFile, field: str) -> None:
+    """The builtin and factory trainer resume `fsdp` from a DCP folder and every other mode from
+    a file (contract §5, §11): the other kind would fail in every rank at its first step, after
+    the job waited for GPUs. A script reads what it likes."""
+    if spec.entrypoint.kind not in ("builtin", "factory"):
+        return
+    wants = "folder" if spec.mode == "fsdp" else "file"
+    if file.kind != wants:
+        shape = "a DCP folder (an fsdp job's)" if wants == "folder" else "a checkpoint file"
+        raise InvalidSpec(
+            ("resume_from", field),
+            f"mode {spec.mode!r} of the {spec.entrypoint.kind} trainer resumes from {shape}; "
+            f"checkpoint {file.id} is a {file.kind}",
+        )
 
 
 def validate_in_context(

@@ -29,6 +29,7 @@ PASS_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Labels that name a user: a family with one in any sample is shown to the admin only (contract §7).
 PER_USER_LABELS = frozenset({"user", "user_id", "owner", "owner_id"})
+NOT_TAKING_WORK = ("quarantined", "draining", "drained")  # online, heartbeating, taking no new work
 
 
 class DatabaseCollector(Collector):
@@ -52,6 +53,7 @@ class DatabaseCollector(Collector):
             now = self._clock()
             gpu_seconds = totals_by_owner(session, now)
             names = repo.user_names(session)
+            preemptions = repo.preempted_attempts(session)
 
         jobs = GaugeMetricFamily("torchjobs_jobs", "Jobs in each state.", labels=["state"])
         for state in ALL_STATES:
@@ -92,6 +94,11 @@ class DatabaseCollector(Collector):
             "1 while the worker heartbeats, 0 once it is offline.",
             labels=["worker"],
         )
+        drained = GaugeMetricFamily(
+            "torchjobs_worker_draining",
+            "1 while an admin's drain holds the worker: draining, or drained (contract §12).",
+            labels=["worker"],
+        )
         quarantined = GaugeMetricFamily(
             "torchjobs_worker_quarantined",
             "1 while the worker is quarantined: heartbeating, but taking no new work (contract §8).",
@@ -101,9 +108,16 @@ class DatabaseCollector(Collector):
             total.add_metric([w.name], w.gpus)
             busy.add_metric([w.name], used.get(w.name, 0))
             free.add_metric([w.name], w.gpus_free)
-            online.add_metric([w.name], 1 if w.state in (WorkerState.ONLINE, "quarantined") else 0)
+            online.add_metric([w.name], 1 if w.state in (WorkerState.ONLINE, *NOT_TAKING_WORK) else 0)
             quarantined.add_metric([w.name], 1 if w.state == "quarantined" else 0)
-        yield from (total, busy, free, online, quarantined)
+            drained.add_metric([w.name], 1 if w.state in ("draining", "drained") else 0)
+        yield from (total, busy, free, online, quarantined, drained)
+        preempted = CounterMetricFamily(
+            "torchjobs_preemptions",
+            "Attempts ended by a preemption or a drain, all time (contract §12).",
+        )
+        preempted.add_metric([], preemptions)
+        yield preempted
 
 
 def queue_wait_histogram(waits: Sequence[float]) -> HistogramMetricFamily:

@@ -49,3 +49,9 @@ def gpus_used_by_worker(session: Session) -> dict[str, int]:
 
 def user_names(session: Session) -> dict[int, str]:
     return dict(session.execute(select(User.id, User.name)).all())
+
+
+def preempted_attempts(session: Session) -> int:
+    """Attempts that ended preempted (or drained), all time (contract §12)."""
+    query = select(func.count()).select_from(JobAttempt).where(JobAttempt.reason == "preempted")
+    return int(session.execute(query).scalar_one())

@@ -1,9 +1,10 @@
 """All tables; importing this module registers every model on `Base.metadata`."""
 
 from service.models.base import Base, UTCDateTime, utcnow
-from service.models.checkpoints import Checkpoint, CheckpointFile
+from service.models.checkpoints import Checkpoint, CheckpointFile, CheckpointLook, CheckpointPart
 from service.models.code import CodeArchive
 from service.models.jobs import GpuAllocation, Job, JobAttempt, JobDependency, JobEvent, LogChunk, NodeRun
+from service.models.metrics import MetricName, MetricPoint, SweepRung
 from service.models.users import User
 from service.models.webhooks import Webhook, WebhookAttempt, WebhookDelivery
 from service.models.workers import Worker
@@ -12,6 +13,8 @@ __all__ = [
     "Base",
     "Checkpoint",
     "CheckpointFile",
+    "CheckpointLook",
+    "CheckpointPart",
     "CodeArchive",
     "GpuAllocation",
     "Job",
@@ -19,7 +22,10 @@ __all__ = [
     "JobDependency",
     "JobEvent",
     "LogChunk",
+    "MetricName",
+    "MetricPoint",
     "NodeRun",
+    "SweepRung",
     "UTCDateTime",
     "User",
     "Webhook",

@@ -6,6 +6,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Float,
     ForeignKey,
     Index,
@@ -14,6 +15,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    true,
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -28,6 +30,7 @@ class Job(Base):
         Index("ix_jobs_owner_id_id", "owner_id", "id"),
         Index("ix_jobs_parent_id_id", "parent_id", "id"),
         Index("ix_jobs_kind_state", "kind", "state"),
+        Index("ix_jobs_parent_objective", "parent_id", "objective_value"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -53,13 +56,29 @@ class Job(Base):
     parent_id: Mapped[int | None] = mapped_column(Integer)  # no foreign key: see migration 0009
     sweep_point: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # a child's {path: value}
     sweep: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the parent's {"grid", "max_parallel"}
+    # contract §13: a sweep child's copy of its parent's objective {"metric", "mode"}, the
+    # last value (and its epoch) reported of it, and why and where it was stopped early
+    objective: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    objective_value: Mapped[float | None] = mapped_column(Float)
+    objective_epoch: Mapped[int | None] = mapped_column(Integer)
+    stop_intent: Mapped[str | None] = mapped_column(String(16))  # "early_stop": ranks asked to stop
+    stopped_early: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # {"epoch", "value"}
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     max_retries: Mapped[int] = mapped_column(Integer, default=0)
+    keep_checkpoints: Mapped[int | None] = mapped_column(Integer)  # contract §11; None keeps all
     max_duration_s: Mapped[int | None] = mapped_column(Integer)  # summed over attempts (contract §8)
     stall_timeout_s: Mapped[int | None] = mapped_column(Integer)  # None: never judged stalled
     # the last time any rank of the current attempt reported (a log byte, an event, a checkpoint)
     last_report_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     priority: Mapped[int] = mapped_column(Integer, default=0)
+    # contract §12: whether a higher priority may stop it, and how long its ranks get after
+    # SIGTERM; while a stop is asked of its running attempt (preempted, or its host drained),
+    # since when and for which job (None: a drain); attempts not charged to `max_retries`
+    preemptible: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    stop_grace_s: Mapped[int] = mapped_column(Integer, default=120, server_default="120")
+    preempting_since: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    preempted_by: Mapped[int | None] = mapped_column(Integer)
+    free_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     attempt: Mapped[int] = mapped_column(Integer, default=1)
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)

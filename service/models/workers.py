@@ -35,3 +35,10 @@ class Worker(Base):
     # their jobs (at most two ids: two owners are what makes them count, service.hosts.health)
     job_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     job_failure_owners: Mapped[list[int] | None] = mapped_column(JSON, nullable=True)
+    # (v3, contract §14) the worker process's exec endpoint, HOST:PORT, and the secret the API
+    # proves itself with there (a fresh one per process start; never shown by the API)
+    exec_address: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    exec_secret: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    # contract §12: an admin's drain (None: none): nothing new is placed here, what runs is
+    # stopped as if preempted; "draining" while jobs hold slots here, then "drained"
+    draining_since: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -52,6 +52,10 @@ class JobControl(NamedTuple):
     state: JobState | str
     attempt: int
     last_report_at: datetime | None = None  # any rank of any node, stored (contract §8 stalls)
+    stop: str | None = None  # "early_stop": the ranks are asked to checkpoint and stop (contract §13)
+    # contract §12: set while a stop is asked of the attempt (preempted, or its host drained):
+    # the seconds its ranks get between SIGTERM and SIGKILL
+    stop_grace_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

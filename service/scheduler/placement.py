@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+
+from service.scheduler.preemption import RunningJob, choose_victims, fits
 
 MAX_NAMED_HOSTS = 5  # a pending_reason names at most this many quarantined hosts, then counts
 
@@ -27,6 +29,7 @@ class Host:
     free: tuple[int, ...]
     open_to_all: bool = True  # False: an unsandboxed worker, which takes the admin's jobs only
     quarantined: bool = False  # a sick host (contract §8): no new work until readmitted
+    draining: bool = False  # an admin's drain (contract §12): no new work until readmitted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +73,8 @@ class NodePlacement:
 class Plan:
     placements: dict[int, tuple[NodePlacement, ...]] = field(default_factory=dict)
     pending_reasons: dict[int, str] = field(default_factory=dict)
+    # contract §12: queued job -> the running jobs it preempts (stopped; placed once they are)
+    preemptions: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
 
 def queue_order(jobs: list[QueuedJob]) -> list[QueuedJob]:
@@ -113,9 +118,11 @@ def plan(
     starvation_s: float,
     owners: dict[int, Owner] | None = None,
     sweeps: dict[int, SweepLimit] | None = None,
+    running: Sequence[RunningJob] = (),
 ) -> Plan:
-    free = {h.name: sorted(h.free) for h in hosts if not h.quarantined}
-    sick = {h.name: len(h.free) for h in hosts if h.quarantined}
+    free = {h.name: sorted(h.free) for h in hosts if not h.quarantined and not h.draining}
+    sick = {h.name: len(h.free) for h in hosts if h.quarantined and not h.draining}
+    preempting = Preempting(running)
     closed = {h.name for h in hosts if not h.open_to_all}
     result = Plan()
     blocker: QueuedJob | None = None
@@ -128,15 +135,9 @@ def plan(
             result.pending_reasons[job.id] = f"waiting behind {whose}, which has waited longest"
             continue
         owner, need = order.owner(job.owner), job.nodes * job.gpus_per_node
-        if owner.quota is not None and owner.in_use + need > owner.quota:
-            result.pending_reasons[job.id] = _over_quota(owner, need)
-            continue
         sweep = limits.get(job.sweep) if job.sweep is not None else None
-        if sweep is not None and sweep.active >= sweep.limit:
-            result.pending_reasons[job.id] = (
-                f"waits for its sweep's max_parallel: {sweep.active} of {sweep.limit} children of "
-                f"sweep {job.sweep} hold GPUs"
-            )
+        if (held_back := _held_back(job, owner, need, sweep)) is not None:
+            result.pending_reasons[job.id] = held_back
             continue
         fitting = sorted(
             (n for n, gpus in free.items() if len(gpus) >= job.gpus_per_node), key=lambda n: (len(free[n]), n)
@@ -146,6 +147,9 @@ def plan(
             unsandboxed = sum(1 for n in fitting if n in closed)
             fitting = [n for n in fitting if n not in closed]
         if len(fitting) < job.nodes:
+            if (why := preempting.make_room(job, free, closed, result)) is not None:
+                result.pending_reasons[job.id] = why
+                continue
             quarantined = sorted(n for n, k in sick.items() if k >= job.gpus_per_node)
             result.pending_reasons[job.id] = _reason(job, len(fitting), unsandboxed, quarantined)
             if job.waited_s >= starvation_s:
@@ -160,6 +164,78 @@ def plan(
         if sweep is not None:
             sweep.active += 1
     return result
+
+
+class Preempting:
+    """Preemption within one pass (contract §12): the running jobs, who holds how many GPUs,
+    what is being freed for whom, and the victims this pass has chosen already."""
+
+    def __init__(self, running: Sequence[RunningJob]) -> None:
+        self.running = list(running)
+        self.held: dict[int, int] = {}
+        self.coming: dict[int, dict[str, int]] = {}  # preemptor -> GPUs per host being freed for it
+        for r in self.running:
+            self.held[r.owner] = self.held.get(r.owner, 0) + sum(r.slots.values())
+            if r.for_job is not None:
+                into = self.coming.setdefault(r.for_job, {})
+                for host, n in r.slots.items():
+                    into[host] = into.get(host, 0) + n
+        self.taken: set[int] = set()
+
+    def make_room(
+        self, job: QueuedJob, free: dict[str, list[int]], closed: set[str], result: Plan
+    ) -> str | None:
+        """For a job that does not fit: wait for the jobs preempted for it already when their
+        GPUs will make it fit, else preempt (once: the victims are marked stopping). Either way
+        the free GPUs it will take are held back from the jobs after it. None: no room to make."""
+        if not self.running:
+            return None
+        usable = {n: len(g) for n, g in free.items() if job.by_admin or n not in closed}
+        coming = self.coming.get(job.id, {})
+        soon = {n: k + coming.get(n, 0) for n, k in usable.items()}
+        if coming and fits(job.nodes, job.gpus_per_node, soon):
+            self._hold(job, free, soon)
+            return "preempted lower-priority jobs for its GPUs; starts once they have stopped"
+        candidates = [r for r in self.running if r.id not in self.taken]
+        victims = choose_victims(
+            priority=job.priority,
+            nodes=job.nodes,
+            gpus_per_node=job.gpus_per_node,
+            free=soon,
+            running=candidates,
+            held=self.held,
+        )
+        if not victims:
+            return None
+        self.taken.update(v.id for v in victims)
+        result.preemptions[job.id] = tuple(v.id for v in victims)
+        for victim in victims:
+            for host, n in victim.slots.items():
+                if host in soon:
+                    soon[host] += n
+        self._hold(job, free, soon)
+        word = "job" if len(victims) == 1 else "jobs"
+        return f"preempting {len(victims)} lower-priority {word} for its GPUs; starts once they have stopped"
+
+    @staticmethod
+    def _hold(job: QueuedJob, free: dict[str, list[int]], soon: dict[str, int]) -> None:
+        """Take from `free` the GPUs the job will use next to those being freed for it."""
+        hosts = sorted((n for n, k in soon.items() if k >= job.gpus_per_node), key=lambda n: (soon[n], n))
+        for host in hosts[: job.nodes]:
+            freed_here = soon[host] - len(free[host])
+            free[host] = free[host][max(0, job.gpus_per_node - freed_here) :]
+
+
+def _held_back(job: QueuedJob, owner: Owner, need: int, sweep: SweepLimit | None) -> str | None:
+    """Over its owner's quota (then it preempts nothing either), or its sweep's max_parallel."""
+    if owner.quota is not None and owner.in_use + need > owner.quota:
+        return _over_quota(owner, need)
+    if sweep is not None and sweep.active >= sweep.limit:
+        return (
+            f"waits for its sweep's max_parallel: {sweep.active} of {sweep.limit} children of "
+            f"sweep {job.sweep} hold GPUs"
+        )
+    return None
 
 
 def _over_quota(owner: Owner, need: int) -> str:

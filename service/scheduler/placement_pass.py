@@ -32,12 +32,15 @@ from service.hosts import repository as hosts_repo
 from service.jobs import repository as jobs_repo
 from service.jobs.dependencies import Readiness, fail_doomed, readiness, take_dependency_checkpoint
 from service.jobs.lifecycle import open_attempt
+from service.jobs.preemption import WAITS
 from service.jobs.states import QUEUED, SCHEDULED, lock_job, transition_job
 from service.jobs.sweeps import settle_sweeps, sweep_limits
 from service.models import GpuAllocation, Job, NodeRun, User, Worker, utcnow
 from service.scheduler.outages import DatabaseOutages
 from service.scheduler.placement import Host, NodePlacement, Owner, QueuedJob, SweepLimit, plan
+from service.scheduler.preemption import RunningJob
 from service.scheduler.reaper import reap
+from service.scheduler.stops import drain, preempt, running_jobs
 from service.usage.repository import gpus_in_use
 from service.users import repository as users_repo
 
@@ -86,6 +89,7 @@ def run_pass(
             if not locked:
                 return []
             reap(session, settings, judge_silence=outages is None or outages.may_judge_silence())
+            drain(session)
             sent = place(session, settings, room)
             resend = throttle.due(undelivered(session, settings)) if throttle else []
     except (IntegrityError, OperationalError) as exc:
@@ -156,6 +160,7 @@ class PlacementInputs:
     owners: dict[int, Owner] = field(default_factory=dict)
     readiness: Readiness = field(default_factory=Readiness)  # jobs waiting on jobs, or doomed by them
     sweeps: dict[int, SweepLimit] = field(default_factory=dict)  # max_parallel of the queue's sweeps
+    running: list[RunningJob] = field(default_factory=list)  # what preemption may stop (contract §12)
 
 
 def placement_inputs(session: Session) -> PlacementInputs:
@@ -190,6 +195,7 @@ def placement_inputs(session: Session) -> PlacementInputs:
             free=tuple(i for i in range(w.gpus) if i not in used.get(n, set())),
             open_to_all=w.open_to_all,
             quarantined=w.quarantine_reason is not None,
+            draining=w.draining_since is not None,
         )
         for n, w in workers.items()
     ]
@@ -212,7 +218,8 @@ def placement_inputs(session: Session) -> PlacementInputs:
     ]
     owners = owners_of(session, {r.owner_id for r in rows})
     sweeps = sweep_limits(session, {q.sweep for q in queued if q.sweep is not None})
-    return PlacementInputs(rows, queued, hosts, workers, owners, ready, sweeps)
+    running = running_jobs(session, max((q.priority for q in queued), default=None))
+    return PlacementInputs(rows, queued, hosts, workers, owners, ready, sweeps, running)
 
 
 def owners_of(session: Session, owner_ids: set[int]) -> dict[int, Owner]:
@@ -232,12 +239,13 @@ def place(session: Session, settings: Settings, room: Room | None = None) -> lis
     if not inputs.rows:
         return []
     rows, queued, hosts, workers = inputs.rows, inputs.queued, inputs.hosts, inputs.workers
-    decision = plan(queued, hosts, settings.starvation_s, inputs.owners, inputs.sweeps)
+    decision = plan(queued, hosts, settings.starvation_s, inputs.owners, inputs.sweeps, inputs.running)
     if room is not None:
         room.gpu_free = _any_left_free(hosts, decision.placements)
     _write_pending_reasons(session, rows, decision.pending_reasons, bool(workers))
     _write_pending_reasons(session, rows, inputs.readiness.waiting, any_worker=True)
     fail_doomed(session, inputs.readiness.doomed)
+    preempt(session, decision.preemptions)
     sent: list[Dispatch] = []
     busy_ports = _ports_in_use(session)
     for job_id, nodes in decision.placements.items():
@@ -287,7 +295,10 @@ def _write_pending_reasons(session: Session, rows: Any, reasons: dict[int, str],
     current = {r.id: r.pending_reason for r in rows}
     changed = []
     for job_id, reason in reasons.items():
-        reason = (reason if any_worker else "no worker is online")[:MAX_PENDING_REASON]
+        reason = reason if any_worker else "no worker is online"
+        if (current.get(job_id) or "").startswith(WAITS) and not reason.startswith(WAITS):
+            reason = WAITS + reason  # it was preempted (contract §12), and says so until placed
+        reason = reason[:MAX_PENDING_REASON]
         if current.get(job_id) != reason:
             changed.append({"id": job_id, "pending_reason": reason})
     if changed:

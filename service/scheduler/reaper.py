@@ -18,6 +18,7 @@ from service.hosts.health import HostVerdict, record_node_end
 from service.hosts.states import take_offline
 from service.jobs import repository as jobs_repo
 from service.jobs.lifecycle import cancel_pending_nodes, lose_node, tell_quarantined
+from service.jobs.preemption import settle, stopping_jobs
 from service.models import utcnow
 from service.states import NodeState, WorkerState
 
@@ -55,6 +56,8 @@ def reap(session: Session, settings: Settings, judge_silence: bool = True) -> No
             session, run.worker_name, HostVerdict.FAILED_HERE, reason, settings.quarantine_after
         ):
             tell_quarantined(session, run.job_id, run.worker_name)
+    for job in stopping_jobs(session):  # preempted or drained, whose nodes have all ended (§12)
+        settle(session, job)
     for job in jobs_repo.cancelling_jobs(session):  # (not a sweep's parent: settle_sweeps)
         if all(r.state != NodeState.RUNNING for r in jobs_repo.runs_of(session, job.id, job.attempt)):
             cancel_pending_nodes(session, job)

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db import Database
 from service.errors import InvalidSpec
+from service.jobs import preemption
 from service.jobs import repository as jobs_repo
 from service.jobs.schemas import EventOut
 from service.jobs.states import TERMINAL
@@ -131,14 +132,15 @@ class StreamReader:
             if cursor is None:
                 return EventPage((), ended=True, full=False)
             rows = jobs_repo.events_after(session, job_id, after, EVENTS_PER_READ)
+            outs = preemption.redact(session, None, job_id, [EventOut.model_validate(e) for e in rows])
             items = tuple(
                 EventItem(
                     seq=e.seq,
                     type=e.type,
-                    json=compact_json(EventOut.model_validate(e).model_dump(mode="json")),
+                    json=compact_json(e.model_dump(mode="json")),
                     terminal=e.type == "state" and (e.data or {}).get("state") in TERMINAL,
                 )
-                for e in rows
+                for e in outs
             )
             return EventPage(items, ended=cursor.state in TERMINAL, full=len(rows) == EVENTS_PER_READ)
 

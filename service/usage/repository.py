@@ -8,7 +8,7 @@ from datetime import datetime
 from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
-from service.models import GpuAllocation, Job, JobAttempt
+from service.models import Checkpoint, GpuAllocation, Job, JobAttempt
 
 
 def gpus_in_use(session: Session, owner_ids: Iterable[int] | None = None) -> dict[int, int]:
@@ -60,3 +60,16 @@ def running_attempts(session: Session) -> Sequence[Row[int, int, datetime | None
         .join(Job, Job.id == JobAttempt.job_id)
         .where(JobAttempt.finished_at.is_(None), JobAttempt.started_at.is_not(None))
     ).all()
+
+
+def checkpoint_bytes_by_owner(session: Session, owner_ids: Sequence[int]) -> dict[int, int]:
+    """Bytes of the owners' checkpoints held in storage now (contract §11): every listed
+    checkpoint's size (a folder's is the sum of its files)."""
+    if not owner_ids:
+        return {}
+    rows = session.execute(
+        select(Checkpoint.owner_id, func.coalesce(func.sum(Checkpoint.size_bytes), 0))
+        .where(Checkpoint.owner_id.in_(list(owner_ids)))
+        .group_by(Checkpoint.owner_id)
+    ).all()
+    return {owner: int(total) for owner, total in rows}

@@ -10,6 +10,7 @@ class UsageOut(BaseModel):
     gpu_seconds: float
     jobs: int  # jobs with an attempt that held GPUs in the range
     attempts: int
+    checkpoint_bytes: int = 0  # contract §11: the user's checkpoints held in storage now
 
 
 class UsageList(BaseModel):

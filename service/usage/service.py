@@ -8,6 +8,7 @@ from sqlalchemy.orm import Session
 
 from service.errors import Forbidden, InvalidQuery, NotFound
 from service.models import User
+from service.usage import repository
 from service.usage.accounting import gpu_seconds, holds
 from service.usage.schemas import UsageList, UsageOut
 from service.users import repository as users_repo
@@ -29,8 +30,10 @@ def usage(
         row.gpu_seconds += seconds
         row.attempts += 1
         jobs[held.owner_id].add(held.job_id)
+    stored = repository.checkpoint_bytes_by_owner(session, list(totals))
     for owner_id, row in totals.items():
         row.jobs, row.gpu_seconds = len(jobs[owner_id]), round(row.gpu_seconds, 3)
+        row.checkpoint_bytes = stored.get(owner_id, 0)
     items = sorted(totals.values(), key=lambda r: (-r.gpu_seconds, r.user))
     return UsageList(items=items, since=since, until=until)
 

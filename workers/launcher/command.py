@@ -70,7 +70,7 @@ class NodeLaunch:
     private_network: bool = False  # (sandboxed, single-node) a network namespace of its own
 
     def __post_init__(self) -> None:
-        if self.mode not in ("single", "dp", "ddp"):
+        if self.mode not in ("single", "dp", "ddp", "fsdp"):
             raise ValueError(f"unknown mode {self.mode!r}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError("node_rank outside [0, nnodes)")
@@ -173,8 +173,8 @@ def resume_dir_of(run_dir: Path) -> Path:
 
 
 def processes_per_node(mode: str, gpus: int) -> int:
-    """DDP runs one process per GPU; single and DataParallel run one process per node."""
-    return gpus if mode == "ddp" else 1
+    """DDP and FSDP run one process per GPU; single and DataParallel run one process per node."""
+    return gpus if mode in ("ddp", "fsdp") else 1
 
 
 def run_id(job_id: int, attempt: int) -> str:

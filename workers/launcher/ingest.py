@@ -381,6 +381,17 @@ class CheckpointWatcher:
         found, self.refused = self.refused, []
         return found
 
+    def adopt(self, name: str) -> None:
+        """The resumed checkpoint the worker placed here itself (contract §11): not taken
+        again unless it changes."""
+        fd = self.folder.open_sub(self.sub)
+        try:
+            st = next((e.st for e in entries(fd) if e.name == name and e.is_file), None)
+        finally:
+            os.close(fd)
+        if st is not None:
+            self.taken[name] = (st.st_size, st.st_mtime_ns, st.st_ino)
+
     def _refuse(self, name: str, sig: Signature, why: str) -> None:
         """Never looked at again in this form (its signature counts as taken)."""
         self.taken[name] = sig

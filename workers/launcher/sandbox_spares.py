@@ -110,10 +110,13 @@ class SpareSandboxes:
         os.rename(dirs.tmp, paths.tmp)
         if plan.resume:
             target = dirs.resume / Path(plan.resume).name
-            try:
-                os.link(plan.resume, target)
-            except OSError:
-                shutil.copyfile(plan.resume, target)
+            if Path(plan.resume).is_dir():  # a folder checkpoint (contract §11): the staged copy's
+                shutil.copytree(plan.resume, target)
+            else:
+                try:
+                    os.link(plan.resume, target)
+                except OSError:
+                    shutil.copyfile(plan.resume, target)
         os.rename(dirs.resume, resume_dir_of(paths.run_dir))
         remove_tree(dirs.root)
 

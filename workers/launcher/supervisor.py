@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from service.nodes.values import (
@@ -41,6 +42,7 @@ from workers.launcher.command import (
 )
 from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import TAIL_BYTES, is_retryable, read_error_file, root_cause, tail
+from workers.launcher.folders import FileSig, FolderRules, FolderSig, FolderWatcher, FoundFolder
 from workers.launcher.ingest import (
     LOG_MAX_BYTES,
     CheckpointChanged,
@@ -64,9 +66,14 @@ from workers.launcher.run_dir import copy_code, lay_out_run_dir, remove_run_dir
 from workers.launcher.sandbox import write_identity
 from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.stacks import rank_processes
+from workers.launcher.staging import place_copy
 
 log = logging.getLogger("torchjobs.worker")
 DISK_LIMIT = "disk limit"
+PREEMPT = "preempt"  # the control plane stops the attempt and queues the job again (§12)
+EARLY_STOP = "early_stop"  # a sweep stops a child at an ASHA rung (service.jobs.asha)
+# stops asked of the job, and how its node ends: an early-stopped child has succeeded (§13)
+ENDED_BY_ASKING = {"cancel": NodeState.CANCELLED, EARLY_STOP: NodeState.SUCCEEDED}
 POLL_S = 0.25
 CONTROL_EVERY_S = 1.0
 BATCH_EVERY_S = 0.5
@@ -77,6 +84,8 @@ BATCH_EVERY_S = 0.5
 # instead of BATCH_EVERY_S / 2 (contract §3's streams; docs/benchmarks.md measures both).
 EVENT_LOOK_S = 0.05
 EVENT_GAP_S = 0.2
+FOLDER_LOOK_S = 1.0  # a look at the checkpoint folder's folders walks every file beneath them
+FOLDER_END_WAIT_S = 60.0  # node 0's wait at its end for the other nodes' parts of its folders
 PEER_LOOK_EVERY_S = 5.0  # a multi-node job's look at whether its other nodes have all ended
 # While stored output waits on a database that refuses it, read no more than this (the files
 # keep the rest): back-pressure instead of memory without bound.
@@ -94,6 +103,21 @@ class Hooks:
     node_event: Callable[[str, dict[str, Any]], object] = field(default=lambda *_: None)
     # when the attempt's other nodes had all ended (None while any runs): a straggler's clock
     peers_ended: Callable[[], datetime | None] = field(default=lambda: None)
+    # folder checkpoints (contract §11); None: folders are not taken (unit tests of files only)
+    folders: FolderHooks | None = None
+
+
+@dataclass
+class FolderHooks:
+    """How a node stores its part of a folder checkpoint and how node 0 lists one (folders.py
+    on the service side): (name, version, files, opener) -> part id; (part id, meta) -> the
+    listed checkpoint's id or None while another node's part is not stored."""
+
+    store_part: Callable[[str, int, FolderSig, Callable[[FileSig], Exactly]], int | None]
+    try_list: Callable[[int, dict[str, Any] | None], int | None]
+    horizon: Callable[[], int] = field(default=lambda: 0)
+    note_look: Callable[[int, list[str]], object] = field(default=lambda *_: None)
+    settle_s: float = 10.0
 
 
 class NodeSupervisor:
@@ -114,6 +138,7 @@ class NodeSupervisor:
         group: NodeGroup | None = None,
         log_max_bytes: int = LOG_MAX_BYTES,
         disk_max_bytes: int | None = None,
+        resume_copy: tuple[Path, str] | None = None,
     ) -> None:
         self.key, self.plan, self.hooks, self.grace_s, self.shutdown = key, plan, hooks, grace_s, shutdown
         self.clock = NodeClock(limits or NodeLimits())
@@ -138,6 +163,19 @@ class NodeSupervisor:
         self.events = EventsTail(self.folder, paths.events.name)
         self.checkpoints = CheckpointWatcher(self.folder, paths.checkpoints.name, max_bytes=disk_max_bytes)
         self.ckpt_meta: dict[str, dict[str, Any]] = {}
+        self.lead = key.node_rank == 0
+        settle = hooks.folders.settle_s if hooks.folders is not None else 10.0
+        self.folders = FolderWatcher(
+            self.folder,
+            paths.checkpoints.name,
+            FolderRules(settle_s=settle, lead=self.lead),
+            max_bytes=disk_max_bytes,
+        )
+        self.awaiting: list[tuple[int, str]] = []  # node 0's stored parts not listed yet
+        self.next_folder_look = 0.0
+        # the checkpoint resumed from (the worker's staged copy, its name): placed, writable, in
+        # the checkpoint folder before the ranks start, and not taken unless it changes (§11)
+        self.resume_copy = resume_copy
         self.pending = Batch()  # read but not yet stored (its write failed): sent first next time
         self.unrecorded: list[FoundCheckpoint] = []  # complete files not yet recorded, in order
         self.seen: JobControl | None = None  # the job as the last stored batch found it
@@ -164,6 +202,21 @@ class NodeSupervisor:
         if owner is not None:
             for path in (*folders, paths.env_file):
                 os.chown(path, *owner)
+        self._place_resumed(owner)
+
+    def _place_resumed(self, owner: tuple[int, int] | None) -> None:
+        if self.resume_copy is None:
+            return
+        source, name = self.resume_copy
+        try:
+            if not place_copy(source, self.plan.paths.checkpoints, name, owner):
+                return
+            if source.is_dir():
+                self.folders.adopt(name)
+            else:
+                self.checkpoints.adopt(name)
+        except OSError:  # the ranks still find it at TORCHJOBS_RESUME_FROM
+            log.warning("job %s: could not place checkpoint %r", self.key.job_id, name, exc_info=True)
 
     def run(self) -> NodeOutcome:
         with self.agents.node_running():
@@ -174,6 +227,7 @@ class NodeSupervisor:
                 self._kill_all(proc)
         try:
             self._ingest(final=True)
+            self._await_listing()
             return self._outcome(rc)
         finally:
             self._close_files()
@@ -259,7 +313,17 @@ class NodeSupervisor:
             return "cancel"
         if state in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.QUEUED):
             return "superseded"
-        return None
+        if getattr(control, "stop", None) == EARLY_STOP:  # a sweep's ASHA rung (contract §13)
+            return EARLY_STOP
+        return self._preempted(control)
+
+    def _preempted(self, control: JobControl) -> str | None:
+        """Preempted, or its host drained (contract §12): stopped with the job's own grace."""
+        grace = getattr(control, "stop_grace_s", None)
+        if grace is None:
+            return None
+        self.grace_s = float(grace)
+        return PREEMPT
 
     def _over_limit(self) -> str | None:
         """The job's time limit, or its silence (contract §8), whose clock starts with the ranks."""
@@ -383,6 +447,70 @@ class NodeSupervisor:
         return True
 
     def _record_checkpoints(self, final: bool) -> bool:
+        return self._record_files(final) and self._record_folders(final)
+
+    def _record_folders(self, final: bool) -> bool:
+        """Folder checkpoints (contract §11): this node's part of each complete folder stored;
+        on node 0 each then listed once every node's part is; on another node, a note of
+        what it still holds unstored. At most every FOLDER_LOOK_S while the ranks run."""
+        hooks = self.hooks.folders
+        now = time.monotonic()
+        if hooks is None or (not final and now < self.next_folder_look):
+            return True
+        self.next_folder_look = now + FOLDER_LOOK_S
+        try:
+            horizon = hooks.horizon() if not self.lead else 0
+            for found in self.folders.poll(final=final):
+                self.clock.heard()
+                self._store_folder(hooks, found)
+            for why in self.folders.take_refusals():
+                self.rank_logs[0].note(f"[torchjobs] checkpoint not taken: {why}")
+            if not self.lead:
+                hooks.note_look(horizon, self.folders.rules.busy(self.folders.present))
+            self._list_awaiting(hooks)
+        except Exception:
+            self._storing(fails=True)
+            return False
+        return True
+
+    def _store_folder(self, hooks: FolderHooks, found: FoundFolder) -> None:
+        try:
+            part = hooks.store_part(
+                found.name, found.version, found.files, lambda sig: self.folders.open_file(found.name, sig)
+            )
+        except CheckpointChanged as exc:  # looked at again: complete again, it is taken then
+            self.folders.rules.untake(found.name, found.files)
+            log.info("job %s: folder %r not stored yet: %s", self.key.job_id, found.name, exc)
+            return
+        except Exception:
+            self.folders.rules.untake(found.name, found.files)
+            raise
+        if part is not None and self.lead:
+            self.awaiting.append((part, found.name))
+
+    def _list_awaiting(self, hooks: FolderHooks) -> None:
+        waiting = []
+        for part, name in self.awaiting:
+            meta = checkpoint_meta(self.ckpt_meta.get(name), name)
+            if hooks.try_list(part, meta) is None:
+                waiting.append((part, name))
+        self.awaiting = waiting
+
+    def _await_listing(self) -> None:
+        """Node 0, its ranks ended: its parts wait (bounded) for the other nodes' final looks."""
+        hooks = self.hooks.folders
+        deadline = time.monotonic() + FOLDER_END_WAIT_S
+        while hooks is not None and self.awaiting and time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                self._list_awaiting(hooks)
+            except Exception:
+                log.warning("job %s: could not list a folder checkpoint", self.key.job_id, exc_info=True)
+        if self.awaiting:
+            log.warning("job %s: folder checkpoints %s never whole on every node: not listed",
+                        self.key.job_id, [n for _, n in self.awaiting])  # fmt: skip
+
+    def _record_files(self, final: bool) -> bool:
         """The complete files in the order they were written; on a failure that one and the
         ones after it wait for the next look."""
         fresh = self.checkpoints.poll(final=final)
@@ -431,12 +559,11 @@ class NodeSupervisor:
         return self.key.job_id, self.key.node_rank
 
     def _outcome(self, rc: int) -> NodeOutcome:
-        if self.stop_reason == "cancel":
-            return NodeOutcome(state=NodeState.CANCELLED, exit_code=rc)
-        if self.stop_reason in ("superseded", "gone"):
-            return NodeOutcome(
-                state=NodeState.LOST, exit_code=rc, error="stopped: the attempt ended elsewhere"
-            )
+        if self.stop_reason in ENDED_BY_ASKING:
+            return NodeOutcome(state=ENDED_BY_ASKING[self.stop_reason], exit_code=rc)
+        if self.stop_reason in ("superseded", "gone", PREEMPT):  # (preempted: the scheduler's doing)
+            error = "preempted" if self.stop_reason == PREEMPT else "stopped: the attempt ended elsewhere"
+            return NodeOutcome(state=NodeState.LOST, exit_code=rc, error=error)
         if self.stop_reason == "shutdown":
             return NodeOutcome(state=NodeState.LOST, exit_code=rc, error="worker shut down", retryable=True)
         if self.stop_reason == DISK_LIMIT and self.disk_tally is not None:  # the job's own: not retried

@@ -7,5 +7,6 @@ Importing this package does not even import torch; `workers.runtime.trainer.trai
 
 from workers.runtime.errors import PREEMPTED_EXIT_CODE
 from workers.runtime.events import report
+from workers.runtime.marks import checkpoint_done
 
-__all__ = ["PREEMPTED_EXIT_CODE", "report"]
+__all__ = ["PREEMPTED_EXIT_CODE", "checkpoint_done", "report"]

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from workers.runtime.errors import CheckpointError
+from workers.runtime.marks import checkpoint_done  # noqa: F401  (contract §11; also workers.runtime's)
 
 # What wrappers put in front of the wrapped model's names: DataParallel and DDP, torch.compile.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")

@@ -423,8 +423,9 @@
   $("f-mode").addEventListener("change", syncSubmitForm);
   function syncSubmitForm() {
     const mode = $("f-mode").value;
-    $("f-nodes").disabled = mode !== "ddp";
-    if (mode !== "ddp") $("f-nodes").value = "1";
+    const multiNode = mode === "ddp" || mode === "fsdp";
+    $("f-nodes").disabled = !multiNode;
+    if (!multiNode) $("f-nodes").value = "1";
     $("f-gpus").disabled = mode === "single";
     if (mode === "single") $("f-gpus").value = "1";
   }
@@ -543,7 +544,7 @@
     }
 
     setRanks(job) {
-      const perNode = job.mode === "ddp" ? job.gpus_per_node : 1;
+      const perNode = job.mode === "ddp" || job.mode === "fsdp" ? job.gpus_per_node : 1;
       const key = `${job.nodes}x${perNode}`;
       if (key === this.ranks) return;
       this.ranks = key;
@@ -762,31 +763,45 @@
     };
   }
 
-  // A download's progress and verdict, by checkpoint id: kept across the table's re-renders
-  // (a checkpoint or state event may redraw it while a download is still running).
+  // A download's progress and verdict, by checkpoint id (or "ID/PATH" for one file of a folder):
+  // kept across the table's re-renders (a checkpoint or state event may redraw it while a
+  // download is still running), as is which folders' file lists are open.
   const ckptStatus = new Map();
+  const openFolders = new Set();
+  const FILES_SHOWN = 1000;
 
   function renderCheckpoints(items) {
     $("ckpt-empty").hidden = items.length > 0;
     $("ckpt-body").replaceChildren(
       ...items.map((ckpt) => {
-        const status = el("span", { class: "verified", "data-ckpt-status": String(ckpt.id) });
-        status.textContent = ckptStatus.get(ckpt.id) || "";
+        const folder = ckpt.kind === "folder";
+        const key = String(ckpt.id);
+        const status = el("span", { class: "verified", "data-ckpt-status": key });
+        status.textContent = ckptStatus.get(key) || "";
+        // A folder downloads as its tar (contract §11), whose X-Checksum-SHA256 is the
+        // manifest's: the tar is checked by its length; each file by its own SHA-256 below.
+        const target = {
+          key,
+          url: ckpt.download_url,
+          filename: folder ? `${ckpt.name}.tar` : ckpt.name,
+          sha256: folder ? null : ckpt.sha256,
+          size: folder ? null : ckpt.size_bytes,
+        };
         const link = el("a", {
           class: "download",
           href: ckpt.download_url,
-          download: ckpt.name,
+          download: target.filename,
           "data-ckpt": ckpt.id,
-          text: "download",
+          text: folder ? "download .tar" : "download",
           onclick: (event) => {
             event.preventDefault();
-            downloadCheckpoint(ckpt, link, status);
+            downloadCheckpoint(target, link, status);
           },
         });
         return el(
           "tr",
           { title: `sha256 ${ckpt.sha256}\nstep ${ckpt.step ?? "–"} · ${fmtTime(ckpt.created_at)}` },
-          el("td", { class: "mono", text: ckpt.name }),
+          el("td", { class: "mono" }, ckpt.name, folder ? folderFiles(ckpt) : null),
           el("td", { text: ckpt.epoch ?? "–" }),
           el("td", { text: fmtBytes(ckpt.size_bytes) }),
           el("td", {}, link, status),
@@ -795,19 +810,88 @@
     );
   }
 
+  // A folder checkpoint's files, listed when opened (GET /v1/checkpoints/{id}/files).
+  function folderFiles(ckpt) {
+    const body = el("tbody");
+    const details = el(
+      "details",
+      {
+        class: "ckpt-files",
+        "data-ckpt-files": ckpt.id,
+        ontoggle: () => {
+          if (details.open) openFolders.add(ckpt.id);
+          else openFolders.delete(ckpt.id);
+          if (details.open && !details.dataset.loaded) loadFiles(ckpt, body, details);
+        },
+      },
+      el("summary", { text: `${ckpt.files} file${ckpt.files === 1 ? "" : "s"}` }),
+      el(
+        "table",
+        { class: "files" },
+        el("thead", {}, el("tr", {}, el("th", { text: "path" }), el("th", { text: "size" }), el("th", { text: "node" }), el("th"))),
+        body,
+      ),
+    );
+    if (openFolders.has(ckpt.id)) details.open = true;
+    return details;
+  }
+
+  async function loadFiles(ckpt, body, details) {
+    details.dataset.loaded = "1";
+    try {
+      const { items } = await getJson(`/v1/checkpoints/${ckpt.id}/files`);
+      const rows = items.slice(0, FILES_SHOWN).map((f) => fileRow(ckpt, f));
+      if (items.length > FILES_SHOWN) {
+        rows.push(el("tr", {}, el("td", { colspan: 4, class: "muted", text: `… and ${items.length - FILES_SHOWN} more` })));
+      }
+      body.replaceChildren(...rows);
+    } catch (err) {
+      delete details.dataset.loaded;
+      body.replaceChildren(el("tr", {}, el("td", { colspan: 4, text: `failed: ${err.message}` })));
+    }
+  }
+
+  function fileRow(ckpt, file) {
+    const url = `/v1/checkpoints/${ckpt.id}/files/${file.path.split("/").map(encodeURIComponent).join("/")}`;
+    const key = `${ckpt.id}/${file.path}`;
+    const target = { key, url, filename: file.path.split("/").pop(), sha256: file.sha256, size: file.size_bytes };
+    const status = el("span", { class: "verified", "data-ckpt-status": key });
+    status.textContent = ckptStatus.get(key) || "";
+    const link = el("a", {
+      class: "file-download",
+      href: url,
+      download: target.filename,
+      text: "download",
+      onclick: (event) => {
+        event.preventDefault();
+        downloadCheckpoint(target, link, status);
+      },
+    });
+    return el(
+      "tr",
+      { title: `sha256 ${file.sha256}` },
+      el("td", { class: "mono", text: file.path }),
+      el("td", { text: fmtBytes(file.size_bytes) }),
+      el("td", { text: file.node_rank }),
+      el("td", {}, link, status),
+    );
+  }
+
   // The download needs the Authorization header, so it is fetched here and saved from a Blob.
-  async function downloadCheckpoint(ckpt, link, status) {
+  // `target`: {key, url, filename, sha256 (null: check the length only), size (null: as sent)}.
+  async function downloadCheckpoint(target, link, status) {
     if (link.dataset.busy) return;
     link.dataset.busy = "1";
     const show = (text) => {
-      ckptStatus.set(ckpt.id, text);
-      const live = document.querySelector(`[data-ckpt-status="${ckpt.id}"]`) || status;
+      ckptStatus.set(target.key, text);
+      const live = document.querySelector(`[data-ckpt-status="${CSS.escape(target.key)}"]`) || status;
       live.textContent = text;
     };
     show("0%");
     try {
-      const resp = await request(ckpt.download_url);
-      const total = Number(resp.headers.get("Content-Length")) || ckpt.size_bytes;
+      const resp = await request(target.url);
+      const sent = Number(resp.headers.get("Content-Length"));
+      const total = target.size ?? sent;
       const reader = resp.body.getReader();
       const chunks = [];
       let received = 0;
@@ -819,18 +903,18 @@
         if (total) show(`${Math.floor((received / total) * 100)}%`);
       }
       const blob = new Blob(chunks, { type: "application/octet-stream" });
-      if (crypto.subtle) {
+      if (target.sha256 && crypto.subtle) {
         // Only in a secure context (https or localhost); elsewhere the size is all we can check.
         const digest = await crypto.subtle.digest("SHA-256", await blob.arrayBuffer());
         const hex = Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
-        if (hex !== ckpt.sha256) throw new Error("SHA-256 mismatch: the download is corrupt");
+        if (hex !== target.sha256) throw new Error("SHA-256 mismatch: the download is corrupt");
         show("✓ sha256");
       } else {
-        if (blob.size !== ckpt.size_bytes) throw new Error("size mismatch: the download is incomplete");
+        if (blob.size !== total) throw new Error("size mismatch: the download is incomplete");
         show("✓ size");
       }
       const url = URL.createObjectURL(blob);
-      const save = el("a", { href: url, download: ckpt.name, hidden: true });
+      const save = el("a", { href: url, download: target.filename, hidden: true });
       document.body.append(save);
       save.click();
       save.remove();

@@ -155,3 +155,27 @@ def test_a_node_learns_when_all_its_peers_have_ended(db: Database) -> None:
     ended = peers_ended_at(db, key)
     assert ended is not None
     assert peers_ended_at(db, NodeKey(job_id=job_id, attempt=1, node_rank=2)) is None  # node 0 runs
+
+
+def test_a_log_batch_asks_no_stop_of_a_job_nobody_preempts(db: Database) -> None:
+    """SQLite 3.40 evaluates `preempting_since IS NOT NULL` as true in an UPDATE's RETURNING
+    when the column is NULL: every job that wrote a log was stopped as preempted within seconds.
+    A log batch's answer (the stall clock's write) carries a stop grace only while a stop is
+    asked of the attempt, on both databases."""
+    from datetime import timedelta
+
+    from service.models.base import utcnow
+
+    job_id = running_job(db)
+    key = NodeKey(job_id=job_id, attempt=1, node_rank=0)
+    logs = Batch(logs=[(0, 0, b"a line\n")])
+    control = write_batch(db, key, logs)
+    assert control is not None and control.stop_grace_s is None
+    with db.transaction() as s:
+        job = s.get(Job, job_id)
+        assert job is not None
+        job.preempting_since, job.stop_grace_s = utcnow(), 42
+        job.last_report_at = utcnow() - timedelta(hours=1)  # so that this batch writes the clock
+    control = write_batch(db, key, Batch(logs=[(0, 7, b"another\n")]))
+    assert control is not None and control.stop_grace_s == 42
+    assert job_control(db, job_id).stop_grace_s == 42  # type: ignore[union-attr]

@@ -127,7 +127,8 @@ def test_usage_counts_each_attempt_inside_the_range(api: TestClient, settings: S
     seed_attempts(settings, "bob", [(4, 30, 31)])  # 240
     everyone = api.get("/v1/usage", headers=ADMIN).json()["items"]
     by_user = {r["user"]: r for r in everyone}
-    assert by_user["alice"] == {"user": "alice", "gpu_seconds": 4800.0, "jobs": 2, "attempts": 2}
+    expected = {"user": "alice", "gpu_seconds": 4800.0, "jobs": 2, "attempts": 2, "checkpoint_bytes": 0}
+    assert by_user["alice"] == expected
     assert by_user["bob"]["gpu_seconds"] == 240.0 and by_user["admin"]["gpu_seconds"] == 0.0
     window = {
         "since": (T0 + timedelta(minutes=5)).isoformat(),

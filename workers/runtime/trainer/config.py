@@ -17,7 +17,7 @@ from typing import Any
 from workers.runtime.env import ACCELERATORS
 from workers.runtime.errors import ConfigError
 
-MODES = ("single", "dp", "ddp")
+MODES = ("single", "dp", "ddp", "fsdp")
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "step", "cosine")
 AMP_MODES = (None, "bf16", "fp16")

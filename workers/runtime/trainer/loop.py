@@ -1,4 +1,4 @@
-"""The builtin trainer: one loop for single, dp and ddp, resumable to the batch.
+"""The builtin trainer: one loop for single, dp, ddp and fsdp, resumable to the batch.
 
 Where training stands is a `Position` (completed epochs, batches into the current epoch, global
 step). Because the data order of epoch e is a function of (seed, e) alone (see data.py) and the
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Callable, Sized
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
@@ -26,6 +28,12 @@ from workers.runtime.checkpoint import (
     fit_state_dict,
     unwrap_model,
     write_atomic,
+)
+from workers.runtime.dcp_checkpoint import (
+    DcpResume,
+    folder_name,
+    remove_stale_folder,
+    write_trainer_state,
 )
 from workers.runtime.env import RuntimeEnv
 from workers.runtime.errors import CheckpointError, ConfigError, Preempted
@@ -43,6 +51,16 @@ from workers.runtime.trainer.distributed import (
     seed_everything,
 )
 from workers.runtime.trainer.factory import load_datasets, load_model
+from workers.runtime.trainer.fsdp import (
+    DcpSaver,
+    blocking_saves_asked,
+    checkpoint_group,
+    forwards_behind,
+    full_state,
+    gradient_sync,
+    load_sharded,
+    pad_forwards,
+)
 from workers.runtime.trainer.parallel import PlacedModel, load_optimizer_state, make_optimizer, place_model
 from workers.runtime.trainer.plan import RunPlan
 from workers.runtime.trainer.rng import capture_rng, restore_rng
@@ -105,7 +123,7 @@ class Trainer:
         env: RuntimeEnv,
         ctx: DistContext,
         flag: PreemptionFlag,
-        resume: Resume | None,
+        resume: Resume | DcpResume | None,
     ) -> None:
         self.config = config
         self.hp = config.hyperparameters
@@ -117,7 +135,9 @@ class Trainer:
         self._say_when_dp_is_single()
         self.model = self._build_model(resume)
         self.optimizer = make_optimizer(self.model.bare, self.hp)
+        self.saver = self._sharded_setup(resume) if plan.mode == "fsdp" else None
         self.stepper = Stepper(self.optimizer, self.hp, ctx.device)
+        self.probe: torch.Tensor | None = None  # one input sample (fsdp's validation padding)
         if self.hp.compile:  # the bare model stays what is saved: no `_orig_mod.` in checkpoints
             compiled = cast(torch.nn.Module, torch.compile(self.model.train))
             self.model = dataclasses.replace(self.model, train=compiled)
@@ -168,15 +188,36 @@ class Trainer:
         barrier(self.ctx)
         return build()
 
-    def _build_model(self, resume: Resume | None) -> PlacedModel:
+    def _build_model(self, resume: Resume | DcpResume | None) -> PlacedModel:
         model = self._node_leader_first(lambda: load_model(self.config.entrypoint))
-        if resume is not None:
+        if isinstance(resume, tuple):  # a file; a DCP folder loads into the sharded model
             target = unwrap_model(model)  # a factory may hand over a wrapped model
             try:
                 target.load_state_dict(fit_state_dict(resume[0], target))
             except RuntimeError as exc:
                 raise CheckpointError(f"checkpoint weights do not fit the model: {exc}") from exc
         return place_model(model, self.plan)
+
+    def _sharded_setup(self, resume: Resume | DcpResume | None) -> DcpSaver:
+        """fsdp: the checkpoint group and saver; a DCP folder's tensors into the shards (the
+        job's lr and weight decay win over the saved ones, as for a file)."""
+        group = checkpoint_group()
+        if isinstance(resume, DcpResume):
+            load_sharded(resume.path, self.model.bare, self.optimizer, group)
+            for param_group in self.optimizer.param_groups:
+                param_group["lr"], param_group["weight_decay"] = self.hp.lr, self.hp.weight_decay
+            self._debug_full_state("resumed")
+        return DcpSaver(group, blocking=blocking_saves_asked(os.environ))
+
+    def _debug_full_state(self, name: str) -> None:
+        """Test-only (TORCHJOBS_DEBUG_DUMP_DIR): the unsharded model and optimizer state,
+        gathered to rank 0."""
+        if self.env.debug_dump_dir is None:
+            return
+        full = full_state(self.model.bare, self.optimizer)  # a collective: every rank gathers
+        if self.ctx.is_main:
+            self.env.debug_dump_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(full, self.env.debug_dump_dir / f"full-{name}.pt")
 
     def _build_data(self) -> tuple[EpochBatchSampler, DataLoader, DataLoader | None]:
         train_set, val_set = self._node_leader_first(lambda: load_datasets(self.config.entrypoint, self.hp))
@@ -211,9 +252,13 @@ class Trainer:
             )
         return sampler, train_loader(train_set, sampler, opts), val
 
-    def _resume(self, resume: Resume) -> None:
-        """Optimizer state, position and RNG from the checkpoint (its weights are already loaded)."""
-        _net, opt_state, epoch, _step, meta = resume
+    def _resume(self, resume: Resume | DcpResume) -> None:
+        """Optimizer state, position and RNG from the checkpoint (its weights are already loaded;
+        a DCP folder's optimizer state too)."""
+        if isinstance(resume, DcpResume):
+            opt_state, epoch, meta = None, resume.epoch, resume.meta
+        else:
+            _net, opt_state, epoch, _step, meta = resume
         if opt_state is not None:
             self._warn(load_optimizer_state(self.optimizer, opt_state, self.hp))
         self.stepper.load_state(meta.get("grad_scaler"))
@@ -274,6 +319,8 @@ class Trainer:
             if self.stop.settle(self.flag.requested):
                 self._preempt()
             self._end_epoch(summary)
+        if self.saver is not None:
+            self.saver.wait()  # the last checkpoint is complete before the rank exits
         return 0
 
     def _train_epoch(self, epoch: int) -> dict[str, Any]:
@@ -304,8 +351,9 @@ class Trainer:
         if group.is_first(b):
             self.optimizer.zero_grad(set_to_none=True)
         last = group.is_last(b)
-        no_sync = getattr(self.model.train, "no_sync", None)
-        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+        if self.probe is None:
+            self.probe = x[:1]
+        with self._no_sync(last):
             with self.stepper.autocast():
                 loss = F.cross_entropy(self.model.train(x), y)
             self.stepper.backward(loss, group.size(b))
@@ -314,6 +362,13 @@ class Trainer:
             self.stepper.step(self.model.bare.parameters, opt_step, self.total_opt_steps)
         self.meter.add(loss.detach())
         return last
+
+    def _no_sync(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Inside an accumulation group, gradients stay local until its last batch."""
+        if self.plan.mode == "fsdp":  # the root FSDP module, even under torch.compile
+            return gradient_sync(self.model.bare, enabled=last)
+        no_sync = getattr(self.model.train, "no_sync", None)
+        return contextlib.nullcontext() if last or no_sync is None else no_sync()
 
     def _save_due(self) -> bool:
         every = self.hp.checkpoint_every_s
@@ -329,6 +384,8 @@ class Trainer:
     def _preempt(self) -> None:
         log(self.ctx.rank, f"SIGTERM: stopped after step {self.pos.step}; saving and exiting")
         self._save()
+        if self.saver is not None:
+            self.saver.wait()  # the folder is complete before the exit
         raise Preempted
 
     @torch.no_grad()
@@ -338,12 +395,15 @@ class Trainer:
             return None, None
         self.model.eval.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=self.ctx.device)
+        sharded = self.plan.mode == "fsdp" and self.ctx.distributed
+        behind = forwards_behind(len(self.val_loader), self.ctx.cpu_group) if sharded else 0
         for x, y in self.val_loader:
             x, y = x.to(self.ctx.device), y.to(self.ctx.device)
             out = self.model.eval(x)
             totals[0] += F.cross_entropy(out, y, reduction="sum").double()
             totals[1] += (out.argmax(dim=1) == y).sum()
             totals[2] += y.numel()
+        pad_forwards(self.model.eval, self.probe, behind)  # fsdp: as many forwards as every rank
         loss_sum, correct, count = all_reduce_sum(self.ctx, totals).tolist()
         return (loss_sum / count, correct / count) if count else (None, None)
 
@@ -382,7 +442,9 @@ class Trainer:
         if self.env.checkpoint_dir is None or self.pos.step == self.saved_step:
             return
         rng = gather_to_main(self.ctx, capture_rng(cuda=self.plan.is_cuda))
-        if self.ctx.is_main:
+        if self.saver is not None:
+            self._save_folder(self.env.checkpoint_dir, self.saver, rng)
+        elif self.ctx.is_main:
             path = self.env.checkpoint_dir / checkpoint_name(
                 self.pos.epoch,
                 self.pos.step,
@@ -404,7 +466,34 @@ class Trainer:
         self.saved_step = self.pos.step
         self.last_save_at = time.monotonic()
 
-    def _checkpoint(self, rng: list[Any] | None) -> dict[str, Any]:
+    def _save_folder(self, directory: Path, saver: DcpSaver, rng: list[Any] | None) -> None:
+        """fsdp: every rank writes its shards into one DCP folder, in the background once they
+        are staged (a SIGTERM's save is waited for by `_preempt`). Rank 0 first announces it and
+        writes `torchjobs.pt` (position, meta, RNG), before DCP's `.metadata` can exist."""
+        name = folder_name(self.pos.epoch, self.pos.step, mid_epoch=self.pos.batch != 0)
+        folder = directory / name
+        started = time.perf_counter()
+        saver.wait()  # the previous folder is complete first: folders appear in order
+        if self.env.local_rank == 0:  # each node's own folder
+            remove_stale_folder(folder)
+        barrier(self.ctx)
+        if self.ctx.is_main:
+            report(
+                type="checkpoint",
+                file=name,
+                epoch=self.pos.epoch,
+                step=self.pos.step,
+                metrics=getattr(self, "last_metrics", {}),
+            )
+            write_trainer_state(folder, epoch=self.pos.epoch, step=self.pos.step, meta=self._meta(rng))
+        saver.save(folder, self.model.bare, self.optimizer)
+        held = time.perf_counter() - started
+        self._debug_full_state(name)
+        if self.ctx.is_main:
+            how = "written" if saver.blocking else "staged; writing in the background"
+            log(self.ctx.rank, f"checkpoint {folder} ({how}; training held {held:.3f} s)")
+
+    def _meta(self, rng: list[Any] | None) -> dict[str, Any]:
         meta = {
             "mode": self.plan.mode,
             "world_size": self.ctx.world_size,
@@ -419,6 +508,10 @@ class Trainer:
         scaler = self.stepper.state()
         if scaler is not None:
             meta["grad_scaler"] = scaler
+        return meta
+
+    def _checkpoint(self, rng: list[Any] | None) -> dict[str, Any]:
+        meta = self._meta(rng)
         return build_checkpoint(
             net_state=unwrap_model(self.model.bare).state_dict(),
             optimizer_state=self.optimizer.state_dict(),

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.runtime.trainer.config import Hyperparameters
+from workers.runtime.trainer.fsdp import shard_model
 from workers.runtime.trainer.plan import RunPlan
 from workers.runtime.trainer.syncbn import (
     DataParallelWithSyncBN,
@@ -28,14 +29,17 @@ from workers.runtime.trainer.syncbn import (
 
 @dataclass(frozen=True, kw_only=True)
 class PlacedModel:
-    train: nn.Module  # what the training step calls (DDP / DataParallel / plain)
-    bare: nn.Module  # the unwrapped model: saved, and its parameters optimised
+    train: nn.Module  # what the training step calls (DDP / DataParallel / FSDP2 / plain)
+    bare: nn.Module  # the unwrapped model (fsdp: the sharded one): saved, and its parameters optimised
     eval: nn.Module  # what validation calls: never DDP, whose forward expects a backward
 
 
 def place_model(model: nn.Module, plan: RunPlan) -> PlacedModel:
     """Convert BatchNorm for the mode, move to the device, wrap."""
     device = torch.device(plan.device)
+    if plan.mode == "fsdp":  # sharded in place: one module trains, evaluates and is saved
+        sharded = shard_model(model, plan)
+        return PlacedModel(train=sharded, bare=sharded, eval=sharded)
     if plan.mode == "ddp":
         if plan.is_cuda:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)

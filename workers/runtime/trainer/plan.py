@@ -13,6 +13,9 @@ from workers.runtime.env import RuntimeEnv
 from workers.runtime.errors import ConfigError
 from workers.runtime.trainer.config import TrainConfig
 
+# Modes that run one process per GPU (or CPU slot) under torchrun, over any number of nodes.
+DISTRIBUTED_MODES = ("ddp", "fsdp")
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunPlan:
@@ -37,8 +40,8 @@ def make_plan(config: TrainConfig, env: RuntimeEnv, *, cuda_device_count: int) -
     accelerator = config.accelerator or env.accelerator or ("cuda" if cuda_device_count else "cpu")
     if accelerator == "cuda" and cuda_device_count == 0:
         raise ConfigError("accelerator is cuda but this rank sees no CUDA device")
-    if config.mode == "ddp":
-        return _ddp_plan(env, accelerator, cuda_device_count)
+    if config.mode in DISTRIBUTED_MODES:
+        return _ddp_plan(config.mode, env, accelerator, cuda_device_count)
     if env.world_size != 1:
         raise ConfigError(f"mode {config.mode!r} runs one process, but torchrun started {env.world_size}")
     dp_ids: tuple[int, ...] = ()
@@ -58,9 +61,10 @@ def make_plan(config: TrainConfig, env: RuntimeEnv, *, cuda_device_count: int) -
     )
 
 
-def _ddp_plan(env: RuntimeEnv, accelerator: str, cuda_device_count: int) -> RunPlan:
+def _ddp_plan(mode: str, env: RuntimeEnv, accelerator: str, cuda_device_count: int) -> RunPlan:
+    """ddp and fsdp alike: one process per GPU (or CPU slot), all of them in one process group."""
     if env.master_addr is None or env.master_port is None:
-        raise ConfigError("mode ddp must be started by torchrun (MASTER_ADDR/MASTER_PORT are unset)")
+        raise ConfigError(f"mode {mode} must be started by torchrun (MASTER_ADDR/MASTER_PORT are unset)")
     if accelerator == "cuda":
         if env.local_rank >= cuda_device_count:
             raise ConfigError(f"LOCAL_RANK={env.local_rank} but this node sees {cuda_device_count} GPUs")
@@ -68,7 +72,7 @@ def _ddp_plan(env: RuntimeEnv, accelerator: str, cuda_device_count: int) -> RunP
     else:
         device, backend = "cpu", "gloo"
     return RunPlan(
-        mode="ddp",
+        mode=mode,
         accelerator=accelerator,
         device=device,
         backend=backend,

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from workers.runtime.checkpoint import load_checkpoint
 from workers.runtime.cpus import describe, use_slot_cpus
+from workers.runtime.dcp_checkpoint import DcpResume, load_resume_source
 from workers.runtime.env import RuntimeEnv, runtime_env
 from workers.runtime.errors import PREEMPTED_EXIT_CODE, Preempted
 from workers.runtime.exiting import run_then_exit
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     preflight_s = run_preflight(env)
     if preflight_s is not None and env.rank == 0:
         log(env.rank, f"pre-flight: all {env.world_size} ranks reached each other in {preflight_s:.2f} s")
-    resume = load_checkpoint(env.resume_from) if env.resume_from is not None else None
+    # a file, or for fsdp a DCP folder (its shards load once the model is sharded)
+    resume = load_resume_source(env.resume_from, config.mode) if env.resume_from is not None else None
     try:
         ctx = init_distributed(plan)
         log(env.rank, describe_placement(plan))
@@ -88,7 +89,7 @@ def _train(
     env: RuntimeEnv,
     ctx: DistContext,
     flag: PreemptionFlag,
-    resume: Resume | None,
+    resume: Resume | DcpResume | None,
 ) -> int:
     """Run the trainer; it and its DDP wrapper are gone on return. The wrapper's Reducer still
     keeps the process group's threads alive, which is why the process ends through

@@ -1,0 +1,96 @@
+"""A running attempt stopped by the control plane (contract §12): preempted by a job of higher
+priority, or on a host being drained.
+
+The stop is asked in the database (`Job.preempting_since`): every node's supervisor sees it at
+its next look, sends SIGTERM (the builtin trainer's rank 0 checkpoints), and kills what still
+runs `stop_grace_s` later. The job keeps its GPUs until its last node has ended, so the job
+it makes room for is never placed on slots still in use; then it is queued again, on its
+next attempt, in its old place (the queue is ordered by id), not charged to `max_retries`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.jobs import repository as repo
+from service.jobs.schemas import EventOut
+from service.jobs.states import (
+    QUEUED,
+    RUNNING,
+    SCHEDULED,
+    SUCCEEDED,
+    append_event,
+    transition_job,
+    transition_node,
+)
+from service.models import Job, User, utcnow
+from service.states import NODE_ACTIVE, NodeState
+
+PREEMPTED = "preempted"  # the ended attempt's reason, and the event's type
+WAITS = "preempted, waits: "  # how a stopped job's pending_reason starts until it is placed again
+WAITING = WAITS + "to be placed again, resuming from its latest checkpoint"
+
+
+def request_stop(session: Session, job: Job, *, by_job: Job | None = None, worker: str | None = None) -> bool:
+    """Ask the attempt of a (locked) scheduled or running job to stop; False when it cannot
+    be, or is already being, stopped. `by_job`: the preemptor; else `worker`, drained."""
+    if job.state not in (SCHEDULED, RUNNING) or job.preempting_since is not None:
+        return False
+    job.preempting_since = utcnow()
+    job.preempted_by = by_job.id if by_job is not None else None
+    data: dict[str, Any] = {"by_priority": by_job.priority if by_job is not None else None}
+    if by_job is not None:
+        data["by_job"] = by_job.id  # shown to the preemptor's owner and the admin only (`redact`)
+    if worker is not None:
+        data["drained"] = worker
+    append_event(session, job.id, PREEMPTED, data)
+    for run in repo.runs_of(session, job.id, job.attempt):
+        if run.state == NodeState.PENDING:  # never started: nothing to stop, and never will
+            transition_node(run, NodeState.CANCELLED)
+    settle(session, job)
+    return True
+
+
+def settle(session: Session, job: Job) -> None:
+    """Once no node of the stopped attempt runs, the job is queued again (or, had every node
+    finished its work meanwhile, it has succeeded)."""
+    if job.preempting_since is None or job.state not in (SCHEDULED, RUNNING):
+        return
+    runs = repo.runs_of(session, job.id, job.attempt)
+    if any(r.state in NODE_ACTIVE for r in runs):
+        return
+    if runs and all(r.state == NodeState.SUCCEEDED for r in runs):
+        job.exit_code, job.error = 0, None
+        transition_job(session, job, SUCCEEDED, "all nodes exited 0")
+        return
+    transition_job(session, job, QUEUED, PREEMPTED)  # frees its GPUs, closes the attempt
+    job.attempt += 1
+    job.free_attempts += 1  # contract §12: a preemption is not charged to max_retries
+    job.preempting_since, job.preempted_by = None, None
+    job.pending_reason = WAITING
+
+
+def stopping_jobs(session: Session) -> list[Job]:
+    """Jobs whose attempt is being stopped, for the reaper's look at those whose nodes all ended."""
+    query = select(Job).where(Job.preempting_since.is_not(None), Job.state.in_((SCHEDULED, RUNNING)))
+    return list(session.execute(query).scalars())
+
+
+def redact(session: Session, viewer: User | None, job_id: int, items: list[EventOut]) -> list[EventOut]:
+    """The preemptor's id in a `preempted` event is for its owner and the admin (contract §12):
+    removed for everyone else (`viewer` None: a stream, shared by the job's owner and the admin,
+    so kept only where the job's owner is the preemptor's too)."""
+    hidden = [e for e in items if e.type == PREEMPTED and "by_job" in (e.data or {})]
+    if not hidden or (viewer is not None and viewer.is_admin):
+        return items
+    preemptors = {e.data["by_job"] for e in hidden}
+    query = select(Job.id, Job.owner_id).where(Job.id.in_(preemptors | {job_id}))
+    owners: dict[int, int] = {r.id: r.owner_id for r in session.execute(query)}
+    viewer_id = viewer.id if viewer is not None else owners.get(job_id)
+    for event in hidden:
+        if owners.get(event.data["by_job"]) != viewer_id:
+            event.data = {k: v for k, v in event.data.items() if k != "by_job"}
+    return items

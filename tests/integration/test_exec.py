@@ -1,0 +1,324 @@
+"""Into a running job (contract §14): exec, a pty and port forwarding, inside the rank's own
+sandbox, on a real root worker (`torchjobs up` as root, bwrap-setuid with a uid per node).
+
+One long job (tests/scripts/serve_tcp.py, serving TCP on 127.0.0.1:PORT in its own network
+namespace) carries every test until the last one cancels it: then the sessions end, and
+nothing an exec started is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import ClientConnection, connect
+
+from service.client.errors import ApiError
+from service.client.exec_client import ExecResult, run_exec, socket_url
+from service.nodes import exec_link
+from service.testing import harness
+from service.testing.harness import ADMIN_TOKEN, Stack
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="exec enters a root worker's sandbox (bwrap-setuid)"
+)
+PORT = 5678
+MAX_PER_USER = 3
+SNOOP = str(harness.SCRIPTS / "snoop.py")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = Path(tmp_path_factory.mktemp("exec"))
+    env = harness.make_env(
+        home, TORCHJOBS_STREAM_RECHECK_S="1", TORCHJOBS_EXEC_MAX_PER_USER=str(MAX_PER_USER)
+    )
+    stack = harness.embedded_stack(home, env)
+    yield stack
+    stack.stop()
+
+
+def _user(stack: Stack, name: str) -> tuple[int, str]:
+    with stack.client() as c:
+        resp = c.post("/v1/users", json={"name": name})
+    assert resp.status_code == 201, resp.text
+    return int(resp.json()["id"]), str(resp.json()["token"])
+
+
+@pytest.fixture(scope="module")
+def alice(stack: Stack) -> str:
+    return _user(stack, "alice")[1]
+
+
+@pytest.fixture(scope="module")
+def job(stack: Stack, alice: str) -> int:
+    """alice's serving job, once exec reaches its rank (its sandbox takes a moment)."""
+    return _running_job(stack, alice)
+
+
+def _running_job(stack: Stack, token: str) -> int:
+    job_id = int(stack.submit(harness.script_job("serve_tcp.py", str(PORT)), token)["id"])
+    stack.wait_job(job_id, timeout=180, states=("running",))
+
+    def reached() -> bool:
+        try:
+            return _exec(stack, token, job_id, "true").exit_code == 0
+        except ApiError as exc:
+            if exc.status_code != 400:  # "still starting" may come, nothing else
+                raise
+            return False
+
+    harness.wait_for(reached, 120, "exec to reach the rank")
+    return job_id
+
+
+def _exec(stack: Stack, token: str, job_id: int, cmd: str, stdin: bytes = b"", **where: int) -> ExecResult:
+    return run_exec(stack.url, token, job_id, cmd, stdin=stdin, **where)
+
+
+def _refusal(stack: Stack, token: str | None, job_id: int, **params: Any) -> tuple[int, str]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    path = f"/v1/jobs/{job_id}/{'forward' if 'port' in params else 'exec'}"
+    try:
+        with connect(socket_url(stack.url, path, params), additional_headers=headers, proxy=None):
+            pass
+    except InvalidStatus as exc:
+        return exc.response.status_code, json.loads(exc.response.body or b"{}").get("detail", "")
+    raise AssertionError(f"{path} {params} was not refused")
+
+
+def _session(stack: Stack, token: str, job_id: int, **params: Any) -> ClientConnection:
+    headers = {"Authorization": f"Bearer {token}"}
+    return connect(
+        socket_url(stack.url, f"/v1/jobs/{job_id}/exec", params), additional_headers=headers, proxy=None
+    )
+
+
+def _rank_uid(stack: Stack, job_id: int) -> int:
+    """The uid of the rank running serve_tcp.py, as the host sees it."""
+    for pid in harness.pids_of_job(job_id, stack.home):
+        try:
+            if b"serve_tcp.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return Path(f"/proc/{pid}").stat().st_uid
+        except OSError:
+            continue
+    raise AssertionError("the rank's process was not found")
+
+
+def test_exec_output_exit_codes_and_stdin(stack: Stack, alice: str, job: int) -> None:
+    assert _exec(stack, alice, job, "echo hi") == ExecResult(b"hi\n", 0)
+    assert _exec(stack, alice, job, "sh -c 'exit 3'").exit_code == 3
+    data = os.urandom(200_000)
+    assert _exec(stack, alice, job, "cat", stdin=data) == ExecResult(data, 0)
+    missing = _exec(stack, alice, job, "no-such-command")
+    assert missing.exit_code == 127 and b"no-such-command" in missing.output
+
+
+def test_exec_runs_in_the_ranks_sandbox_as_the_ranks_uid(stack: Stack, alice: str, job: int) -> None:
+    uid = _rank_uid(stack, job)
+    assert uid != 0
+    assert _exec(stack, alice, job, "id -u").output.decode().strip() == str(uid)
+    ps = _exec(stack, alice, job, "ps -eo user:20,pid,args").output.decode()
+    assert "serve_tcp.py" in ps, ps  # it sees the rank's processes (py-spy would)
+    assert "service.cli.main" not in ps and "bwrap" not in ps, ps  # and nothing of the host's
+    status = _exec(stack, alice, job, "cat /proc/self/status").output.decode()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    assert fields["NoNewPrivs"].strip() == "1" and fields["Seccomp"].strip() == "2"
+    assert int(fields["CapEff"], 16) == 0 and int(fields["CapBnd"], 16) == 0
+    assert _exec(stack, alice, job, "pwd").output == b"/job\n"
+    # the walls of contract §7 hold: no TORCHJOBS_HOME, no new namespace, the worker's secret nowhere
+    assert (stack.home / "torchjobs.db").exists()
+    assert _exec(stack, alice, job, f"test -e {stack.home}/torchjobs.db").exit_code == 1
+    assert _exec(stack, alice, job, "unshare -U true").exit_code != 0
+    env = _exec(stack, alice, job, "env").output.decode()
+    assert "TORCHJOBS_JOB_ID=" in env and "TORCHJOBS_HOME" not in env and ADMIN_TOKEN not in env
+    assert _endpoint(stack)[1] not in env
+
+
+def test_the_snoop_of_contract_7_finds_nothing_through_exec(stack: Stack, alice: str, job: int) -> None:
+    """tests/scripts/snoop.py, the hostile job of test_sandbox.py, run by exec in alice's rank."""
+    targets = ":".join(
+        str(stack.home / p) for p in ("", "admin.token", "torchjobs.db", "runs", "checkpoints")
+    )
+    victims = ",".join(str(p.pid) for p in stack.procs.values())
+    snoop = f"env SNOOP_WALK=1 SNOOP_TARGETS={targets} SNOOP_PIDS={victims} {sys.executable} -I {SNOOP}"
+    done = _exec(stack, alice, job, snoop)
+    log = done.output.decode(errors="replace")
+    assert "SNOOP DONE" in log, log[-3000:]
+    assert log.count("FILE ") > 10, "the snoop read almost nothing: is it blind?"
+    assert ADMIN_TOKEN not in log and _endpoint(stack)[1] not in log
+    assert "KILLED" not in log and "TRACED" not in log and "WROTE" not in log, log[-3000:]
+    assert all(p.poll() is None for p in stack.procs.values())  # the service lives on
+
+
+def test_a_pty_session_and_its_resize(stack: Stack, alice: str, job: int) -> None:
+    with _session(stack, alice, job, cmd="sh", tty="true") as ws:
+        ws.send(json.dumps({"resize": [33, 101]}))
+        ws.send(b"tty; stty size; exit 5\n")
+        output, code = _drain(ws)
+    assert code == 5
+    assert b"/dev/pts/" in output and b"33 101" in output, output
+
+
+def _drain(ws: ClientConnection) -> tuple[bytes, int | None]:
+    output, code = b"", None
+    try:
+        for message in ws:
+            if isinstance(message, bytes):
+                output += message
+            else:
+                code = json.loads(message)["exit_code"]
+    except ConnectionClosed:
+        pass
+    return output, code
+
+
+def test_refusals_are_http_answers(stack: Stack, alice: str, job: int) -> None:
+    _, bob = _user(stack, "bob")
+    assert _refusal(stack, bob, job, cmd="true")[0] == 404
+    assert _refusal(stack, bob, job, port=PORT)[0] == 404
+    assert _refusal(stack, None, job, cmd="true")[0] == 401
+    assert _refusal(stack, "not-a-token", job, cmd="true")[0] == 401
+    assert _refusal(stack, alice, 10**9, cmd="true")[0] == 404
+    for params in ({"cmd": ""}, {"cmd": "'open"}, {"cmd": "true", "node_rank": 1},
+                   {"cmd": "true", "local_rank": 1}, {"cmd": "true", "node_rank": "x"},
+                   {"cmd": "true", "tty": "maybe"}, {"port": 0}, {"port": 1}):  # fmt: skip
+        status, detail = _refusal(stack, alice, job, **params)
+        assert status == 400, (params, status, detail)
+
+
+def test_each_session_is_an_event(stack: Stack, alice: str, job: int) -> None:
+    _exec(stack, alice, job, "echo recorded")
+    events = [e for e in stack.events(job) if e["type"] == "exec"]
+    assert {"user": "alice", "node_rank": 0, "local_rank": 0, "cmd": "echo recorded"} in [
+        e["data"] for e in events
+    ]
+
+
+def test_the_workers_endpoint_says_nothing_without_the_secret(stack: Stack) -> None:
+    address, secret = _endpoint(stack)
+    host, _, port = address.rpartition(":")
+    request = {"op": "exec", "job_id": 1, "attempt": 1, "node_rank": 0, "local_rank": 0, "argv": ["id"]}
+    for wrong in ("0" * 64, secret[:-1] + ("0" if secret[-1] != "0" else "1")):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            greeting = sock.makefile("rb").readline()
+            assert greeting.startswith(exec_link.GREETING)
+            nonce = greeting[len(exec_link.GREETING) : -1].decode()
+            sock.sendall(exec_link.signed_line(wrong, nonce, request))
+            assert sock.recv(100) == b""  # hung up on, not a word
+
+
+def _endpoint(stack: Stack) -> tuple[str, str]:
+    with sqlite3.connect(stack.home / "torchjobs.db") as db:
+        row = db.execute("SELECT exec_address, exec_secret FROM workers WHERE name = 'local'").fetchone()
+    assert row and row[0] and row[1], row
+    return str(row[0]), str(row[1])
+
+
+def test_forward_through_the_cli(stack: Stack, alice: str, job: int) -> None:
+    env = {**stack.env, "TORCHJOBS_URL": stack.url, "TORCHJOBS_TOKEN": alice}
+    cli = subprocess.Popen(
+        harness.torchjobs_cmd("forward", str(job), f"0:{PORT}"), env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert cli.stdout is not None
+        line = cli.stdout.readline()
+        local = int(line.split("127.0.0.1:")[1].split()[0])
+        for word in (b"one", b"two"):
+            with socket.create_connection(("127.0.0.1", local), timeout=30) as sock:
+                stream = sock.makefile("rb")
+                assert stream.readline() == b"ready\n"  # what the service says first comes through
+                sock.sendall(word + b"\n")
+                assert stream.readline() == b"echo:" + word + b"\n"
+    finally:
+        cli.terminate()
+        cli.wait(timeout=30)
+
+
+def test_the_cli_passes_the_exit_code_and_stdin(stack: Stack, alice: str, job: int) -> None:
+    env = {**stack.env, "TORCHJOBS_URL": stack.url, "TORCHJOBS_TOKEN": alice}
+    done = subprocess.run(
+        harness.torchjobs_cmd("exec", str(job), "--", "sh", "-c", "cat; exit 4"),
+        env=env, input=b"through\n", capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 4, done.stderr
+    assert done.stdout == b"through\n"
+
+
+def test_the_per_user_limit(stack: Stack, alice: str, job: int) -> None:
+    with contextlib.ExitStack() as sessions:
+        for _ in range(MAX_PER_USER):
+            sessions.enter_context(_session(stack, alice, job, cmd="cat"))
+        assert _refusal(stack, alice, job, cmd="true")[0] == 429
+        harness.wait_for(lambda: _count(stack, job, b"cat") == MAX_PER_USER, 30, "the sessions' processes")
+    # the client went: the worker killed what its sessions ran
+    harness.wait_for(lambda: _count(stack, job, b"cat") == 0, 30, "the sessions' processes to go")
+    harness.wait_for(lambda: _exec(stack, alice, job, "true").exit_code == 0, 30, "a slot again")
+
+
+def test_a_revoked_token_closes_an_open_shell(stack: Stack, job: int) -> None:
+    with stack.client() as c:
+        owner = c.get(f"/v1/jobs/{job}").json()["owner"]
+        users = {u["name"]: u["id"] for u in c.get("/v1/users").json()["items"]}
+        token = c.post(f"/v1/users/{users[owner]}/tokens").json()["token"]  # alice's, anew
+    with _session(stack, token, job, cmd="sh", tty="true") as ws:
+        ws.send(b"echo open\n")
+        with stack.client() as c:
+            assert c.delete(f"/v1/users/{users[owner]}/tokens").status_code == 204
+        _output, code = _drain(ws)  # closed within TORCHJOBS_STREAM_RECHECK_S, no exit code
+    assert code is None
+
+
+def test_the_session_ends_with_the_job_and_leaves_nothing(stack: Stack, job: int) -> None:
+    """Runs last: it revokes nothing but ends the job (alice's old token is gone: the admin acts)."""
+    result: dict[str, Any] = {}
+    stubborn = 'sh -c \'trap "" TERM; (trap "" TERM; sleep 1000 &) ; sleep 1000\''
+
+    def hold() -> None:
+        with _session(stack, ADMIN_TOKEN, job, cmd=stubborn) as ws:
+            result["drained"] = _drain(ws)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    harness.wait_for(lambda: _count(stack, job, b"sleep") >= 2, 30, "the stubborn processes")
+    with stack.client() as c:
+        assert c.post(f"/v1/jobs/{job}/cancel").status_code in (200, 202)
+    stack.wait_job(job, timeout=120)
+    holder.join(timeout=60)
+    assert not holder.is_alive(), "the session outlived its job"
+    assert _refusal(stack, ADMIN_TOKEN, job, cmd="true")[0] == 400
+    harness.wait_for(lambda: not harness.pids_of_job(job, stack.home), 30, "nothing of the job left")
+    assert _count(stack, job, b"sleep") == 0
+
+
+def _count(stack: Stack, job_id: int, program: bytes) -> int:
+    """The job's processes running `program`."""
+    found = 0
+    for pid in harness.pids_of_job(job_id, stack.home):
+        try:
+            found += Path(f"/proc/{pid}/cmdline").read_bytes().startswith(program + b"\0")
+        except OSError:
+            continue
+    return found
+
+
+def test_the_same_door_between_separate_processes_over_postgresql(production: Stack) -> None:
+    """`torchjobs server` and `torchjobs worker` as separate processes with PostgreSQL and Redis
+    between them: the API finds the worker's endpoint through the database alone."""
+    job_id = _running_job(production, ADMIN_TOKEN)
+    done = _exec(production, ADMIN_TOKEN, job_id, "sh -c 'echo $TORCHJOBS_JOB_ID; exit 7'")
+    assert done == ExecResult(f"{job_id}\n".encode(), 7)
+    with production.client() as c:
+        c.post(f"/v1/jobs/{job_id}/cancel")
+    production.wait_job(job_id, timeout=120)

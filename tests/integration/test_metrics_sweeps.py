@@ -1,0 +1,160 @@
+"""Contract §13 on real torchrun, PostgreSQL, Redis and Celery: the builtin trainer's series
+(`loss`, `val_loss`, `val_accuracy`) through `GET …/metrics`, `?names=` and the CLI's CSV; a
+sweep's `best` and `order=objective` as its children's metrics say; an ASHA sweep on two
+slots whose hopeless children (a learning rate that learns nothing) are stopped at the first
+rung, end `succeeded` with `stopped_early` and a checkpoint, while a child never stopped runs to its end;
+`torchjobs tensorboard` writes one run folder per child, named by its point."""
+
+from __future__ import annotations
+
+import csv
+import io
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.testing import harness
+from service.testing.harness import Stack
+from tests.redis_dbs import fresh_redis_url, release_redis_url
+
+EPOCHS = 4  # an epoch here takes seconds: a stopped child ends well before the last
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, module_pg_url: str, redis_url: str) -> Iterator[Stack]:
+    s = harness.production_stack(
+        Path(tmp_path_factory.mktemp("metrics")), module_pg_url, redis_url, {"w1": 2}
+    )
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    url = fresh_redis_url()
+    yield url
+    release_redis_url(url)
+
+
+def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**stack.env, "TORCHJOBS_URL": stack.url, "TORCHJOBS_TOKEN": harness.ADMIN_TOKEN}
+    return subprocess.run(harness.torchjobs_cmd(*args), env=env, capture_output=True, text=True, timeout=120)
+
+
+def get(stack: Stack, path: str, **params: Any) -> Any:
+    with stack.client() as c:
+        resp = c.get(path, params=params)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def sweep_spec(**sweep: Any) -> dict[str, Any]:
+    return {
+        "mode": "single",
+        "entrypoint": {"kind": "builtin", "model": "mlp", "dataset": "synthetic"},
+        "hyperparameters": {
+            "epochs": EPOCHS,
+            "batch_size": 16,
+            "synthetic_size": 8192,
+            "num_workers": 0,
+            "optimizer": "adamw",
+            "lr": 0.01,
+        },
+        "sweep": sweep,
+    }
+
+
+def test_bad_objectives_are_422_naming_the_field(stack: Stack) -> None:
+    grid = {"hyperparameters.lr": [0.1]}
+    asha = {"kind": "asha", "min_epochs": 1, "reduction_factor": 3}
+    cases = [
+        (
+            {"grid": grid, "objective": {"metric": "val_loss", "mode": "lowest"}},
+            ["sweep", "objective", "mode"],
+        ),
+        ({"grid": grid, "objective": {"metric": ""}}, ["sweep", "objective"]),
+        ({"grid": grid, "early_stop": asha}, ["sweep", "early_stop"]),
+        (
+            {
+                "grid": grid,
+                "objective": {"metric": "val_loss", "mode": "min"},
+                "early_stop": {**asha, "reduction_factor": 1},
+            },
+            ["sweep", "early_stop", "reduction_factor"],
+        ),
+    ]
+    with stack.client() as c:
+        for sweep, where in cases:
+            resp = c.post("/v1/jobs", json=sweep_spec(**sweep))
+            assert resp.status_code == 422, resp.text
+            locs = [[str(p) for p in e["loc"]] for e in resp.json()["detail"]]
+            assert any(loc[-len(where) :] == where or loc[1 : 1 + len(where)] == where for loc in locs), locs
+        assert c.get("/v1/jobs", params={"order": "objective"}).status_code == 422  # needs parent
+        assert c.get("/v1/jobs", params={"order": "newest", "parent": 1}).status_code == 422
+
+
+def test_an_asha_sweep_stops_the_hopeless_children_and_ranks_the_rest(stack: Stack, tmp_path: Path) -> None:
+    parent = stack.submit(
+        sweep_spec(
+            grid={"hyperparameters.lr": [0.02, 1e-7], "hyperparameters.seed": [0, 1]},
+            max_parallel=2,
+            objective={"metric": "val_loss", "mode": "min"},
+            early_stop={"kind": "asha", "min_epochs": 1, "reduction_factor": 2},
+        )
+    )
+    done = stack.wait_job(parent["id"], timeout=300)
+    assert done["state"] == "succeeded", stack.describe(parent["id"])
+    kids = sorted(get(stack, "/v1/jobs", parent=parent["id"])["items"], key=lambda j: j["id"])
+    assert [k["state"] for k in kids] == ["succeeded"] * 4
+
+    # every child's series, the builtin's names among them
+    last: dict[int, float] = {}
+    for kid in kids:
+        got = get(stack, f"/v1/jobs/{kid['id']}/metrics")
+        assert {"loss", "val_loss", "val_accuracy"} <= set(got["names"])
+        ends = [p for p in got["series"] if "val_loss" in p]
+        assert ends and all(isinstance(p["epoch"], int) and p["ts"] for p in ends)
+        last[kid["id"]] = ends[-1]["val_loss"]
+        named = get(stack, f"/v1/jobs/{kid['id']}/metrics", names="val_accuracy,nope")
+        assert named["names"] == got["names"]
+        assert named["series"] and all(
+            set(p) == {"step", "epoch", "ts", "val_accuracy"} for p in named["series"]
+        )
+
+    # the lr that learns nothing loses at the first rung (epoch 1) to the two that learn, with
+    # its checkpoint; a child never stopped ran to its last epoch
+    hopeless = [k for k in kids if k["hyperparameters"]["lr"] == 1e-7]
+    for kid in hopeless:
+        assert kid["stopped_early"] is not None, kid
+        assert kid["stopped_early"]["epoch"] == 1
+        assert kid["stopped_early"]["value"] == pytest.approx(last[kid["id"]], rel=0.5)
+        assert kid["latest_checkpoint"] is not None
+        assert max(p["epoch"] for p in get(stack, f"/v1/jobs/{kid['id']}/metrics")["series"]) < EPOCHS
+        assert any(e["type"] == "early_stop" for e in stack.events(kid["id"]))
+    best_id = min(last, key=lambda i: last[i])
+    best_kid = next(k for k in kids if k["id"] == best_id)
+    ran_through = [k for k in kids if k["stopped_early"] is None]
+    assert ran_through and all(k["progress"]["epoch"] == EPOCHS for k in ran_through)
+
+    # best and order=objective as the children's last values say
+    best = get(stack, f"/v1/jobs/{parent['id']}")["sweep"]["best"]
+    assert best == {"job_id": best_id, "point": best_kid["sweep_point"], "value": last[best_id]}
+    ordered = get(stack, "/v1/jobs", parent=parent["id"], order="objective")["items"]
+    assert [k["id"] for k in ordered] == sorted(last, key=lambda i: (last[i], i))
+
+    # the CLI: the CSV of one child's series, and TensorBoard files for the whole sweep
+    out = cli(stack, "metrics", str(best_id), "--names", "val_loss,loss", "--csv")
+    assert out.returncode == 0, out.stderr
+    rows = list(csv.reader(io.StringIO(out.stdout)))
+    assert rows[0] == ["step", "epoch", "ts", "val_loss", "loss"]
+    assert float([r for r in rows[1:] if r[3]][-1][3]) == last[best_id]
+    logdir = tmp_path / "tb"
+    out = cli(stack, "tensorboard", str(parent["id"]), "--logdir", str(logdir))
+    assert out.returncode == 0, out.stderr
+    runs = sorted(p.name for p in logdir.iterdir())
+    assert runs == sorted({f"lr={lr},seed={seed}" for lr in (0.02, 1e-7) for seed in (0, 1)})
+    for run in runs:
+        assert [p.name.startswith("events.out.tfevents.") for p in (logdir / run).iterdir()] == [True]

@@ -1,0 +1,173 @@
+"""A process started inside a running rank's sandbox (contract §14): its command line.
+
+What the exec'd process gets is what the rank has, no more: on a root worker,
+`nsenter` joins the rank's mount, PID, network, IPC, UTS and cgroup namespaces and its root
+directory (taken from descriptors the worker opened on the rank's /proc entry and checked
+against the node's PID namespace, so a recycled PID cannot point it elsewhere), after the
+cgroup join program (cgroups.py) has put it in the node's control groups; then util-linux's
+`setpriv` becomes the rank's own uid and gid, with no capabilities, an empty bounding set and
+`no_new_privs`; then ENTRY (below) arms PR_SET_PDEATHSIG, installs the sandbox's seccomp
+filter (seccomp.py, the same program sandbox.ENTRY installs) and execs the command with the
+ranks' environment. The same steps as a rank's own start, in the same order: the filter comes
+last because it forbids `setns`.
+
+A worker whose sandbox lives in an unprivileged user namespace (`bwrap-userns`, a non-root
+worker) is refused (`Refused`): joining it takes that namespace's credentials, which this code
+has not been tested with. A worker without a sandbox runs the command as the ranks run, the
+worker's own uid in the node's run folder, in its control groups.
+
+Pure functions: the endpoint (workers/exec_endpoint.py) acts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+
+from workers.launcher import seccomp
+from workers.launcher.command import SYSTEM_PATH
+
+NAMESPACES = ("mnt", "pid", "net", "ipc", "uts", "cgroup")
+NSENTER_FLAG = {"mnt": "mount", "pid": "pid", "net": "net", "ipc": "ipc", "uts": "uts", "cgroup": "cgroup"}
+
+# Run inside: argv[1] seccomp program (hex, may be empty), argv[2] the environment (hex JSON),
+# argv[3] the working directory, argv[4] "-" or the control descriptor of a pty session,
+# argv[5:] the command. Every other inherited descriptor is closed first (the namespace
+# descriptors nsenter was given must not reach the job's command).
+ENTRY = r"""
+import ctypes, json, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(1, signal.SIGKILL)
+ctl = -1 if sys.argv[4] == "-" else int(sys.argv[4])
+for fd in os.listdir("/proc/self/fd"):
+    if int(fd) > 2 and int(fd) != ctl:
+        try: os.close(int(fd))
+        except OSError: pass
+prog = bytes.fromhex(sys.argv[1])
+if prog:
+    class Prog(ctypes.Structure): _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+    fprog = Prog(len(prog) // 8, prog)
+    ul = ctypes.c_ulong
+    if libc.prctl(38, ul(1), ul(0), ul(0), ul(0)) or libc.prctl(22, ul(2), ctypes.byref(fprog), ul(0), ul(0)):
+        sys.exit("torchjobs exec: seccomp filter refused: " + os.strerror(ctypes.get_errno()))
+env = json.loads(bytes.fromhex(sys.argv[2]))
+try: os.chdir(sys.argv[3])
+except OSError: pass
+argv = sys.argv[5:]
+def run():
+    try:
+        os.execvpe(argv[0], argv, env)
+    except OSError as exc:
+        os.write(2, ("torchjobs exec: %s: %s\n" % (argv[0], exc.strerror)).encode())
+        os._exit(127 if isinstance(exc, FileNotFoundError) else 126)
+if ctl < 0:
+    try: os.setsid()
+    except OSError: pass
+    run()
+import fcntl, pty, select, struct, termios
+pid, master = pty.fork()
+if pid == 0:
+    libc.prctl(1, signal.SIGKILL)
+    os.close(ctl)
+    run()
+signal.signal(signal.SIGTERM, lambda *a: os.kill(pid, signal.SIGKILL))
+ins, buf = [0, master, ctl], b""
+while master in ins:
+    for fd in select.select(ins, [], [])[0]:
+        try: data = os.read(fd, 65536)
+        except OSError: data = b""
+        if fd == master:
+            if not data: ins.remove(master)
+            else: os.write(1, data)
+        elif fd == 0:
+            if not data: ins.remove(0); os.write(master, b"\x04")
+            else: os.write(master, data)
+        else:
+            if not data: ins.remove(ctl); continue
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                rows, cols = (int(x) for x in line.split())
+                fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+                os.kill(pid, signal.SIGWINCH)
+status = os.waitpid(pid, 0)[1]
+sys.exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+"""
+
+# `forward`: one TCP connection from inside the sandbox to 127.0.0.1:PORT, relayed over stdin
+# and stdout. Its first byte says whether the connection was made (0) or not (1, then why).
+FORWARD = r"""
+import os, select, socket, sys
+try:
+    sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10)
+except OSError as exc:
+    os.write(1, b"\x01" + (exc.strerror or str(exc)).encode()[:200])
+    sys.exit(1)
+sock.settimeout(None)
+os.write(1, b"\x00")
+ins = [0, sock.fileno()]
+while ins:
+    for fd in select.select(ins, [], [])[0]:
+        try: data = os.read(fd, 65536) if fd == 0 else sock.recv(65536)
+        except OSError: data = b""
+        if fd == 0:
+            if data: sock.sendall(data)
+            else: ins.remove(0); sock.shutdown(socket.SHUT_WR)
+        else:
+            if data: os.write(1, data)
+            else: sys.exit(0)
+"""
+
+
+class Refused(Exception):
+    """This worker cannot enter that sandbox; the message says why (the caller's 400)."""
+
+
+def forward_argv(python: str, port: int) -> list[str]:
+    return [python, "-S", "-I", "-c", FORWARD, str(port)]
+
+
+def entry_argv(
+    python: str,
+    env: Mapping[str, str],
+    cwd: str,
+    control_fd: int | None,
+    argv: Sequence[str],
+    *,
+    filtered: bool,
+) -> list[str]:
+    """ENTRY's command line: the filter (or none, unsandboxed), the environment, the command."""
+    prog = seccomp.program().hex() if filtered else ""
+    env_hex = json.dumps(dict(env)).encode().hex()
+    ctl = "-" if control_fd is None else str(control_fd)
+    return [python, "-S", "-I", "-c", ENTRY, prog, env_hex, cwd, ctl, *argv]
+
+
+def sandboxed_argv(
+    ns_fds: Mapping[str, int], root_fd: int, uid: int, gid: int, inner: Sequence[str]
+) -> list[str]:
+    """nsenter into the rank's namespaces and root (descriptors this process holds, passed
+    on), then setpriv to the rank's uid with nothing more, then `inner` (an ENTRY argv)."""
+    if uid == 0 or gid == 0:
+        raise Refused("the rank runs as root: refusing to start a process as root in it")
+    nsenter = shutil.which("nsenter") or "/usr/bin/nsenter"
+    setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+    args = [nsenter]
+    for name in NAMESPACES:
+        if name in ns_fds:
+            args.append(f"--{NSENTER_FLAG[name]}=/proc/self/fd/{ns_fds[name]}")
+    args.append(f"--root=/proc/self/fd/{root_fd}")
+    args += ["--", setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+    args += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+    return [*args, *inner]
+
+
+def host_env() -> dict[str, str]:
+    """What nsenter and setpriv themselves get: nothing of the worker's environment."""
+    return {"PATH": SYSTEM_PATH}
+
+
+def python() -> str:
+    return sys.executable
