@@ -299,6 +299,8 @@ def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
         )
     if launch.accelerator == "cuda":  # the worker's own devices, never bare slot numbers
         env["CUDA_VISIBLE_DEVICES"] = ",".join(launch.device_ids or [str(g) for g in launch.gpus])
+        if any(d.startswith("MIG-") for d in launch.device_ids):  # one per process (runtime/mig.py)
+            env["TORCHJOBS_RANK_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
     else:
         env["CUDA_VISIBLE_DEVICES"] = ""
     # the ranks take their slots' share of the worker's cores (workers/runtime/cpus.py): pinned

@@ -42,6 +42,8 @@ class RuntimeEnv:
     # (TORCHJOBS_WORKER_SLOTS); a rank takes its slots' share of the cores (see cpus.py).
     slots: tuple[int, ...] | None = None
     worker_slots: int | None = None
+    # MIG (mig.py): this process sees only its own instance, as cuda:0, whatever its LOCAL_RANK
+    own_device: bool = False
     # Test-only: when set, each rank dumps the sample indices it trained on and its BatchNorm
     # buffers after every epoch (see workers.runtime.trainer.debug).
     debug_dump_dir: Path | None = None
@@ -84,6 +86,7 @@ class RuntimeEnv:
             slots=env.numbers("TORCHJOBS_SLOTS"),
             worker_slots=env.integer("TORCHJOBS_WORKER_SLOTS"),
             under_torchrun=env.text("TORCHELASTIC_RUN_ID") is not None,
+            own_device=env.text("TORCHJOBS_RANK_DEVICES") is not None,
         )
 
 

@@ -81,7 +81,7 @@ def check_gpus(env: RuntimeEnv) -> None:
     (gpu_check.py): this one must not have touched CUDA when the job's code starts."""
     if env.accelerator != "cuda":
         return
-    which = "all" if env.local_world_size == 1 else str(env.local_rank)
+    which = "all" if env.local_world_size == 1 or env.own_device else str(env.local_rank)
     try:
         done = subprocess.run(
             [sys.executable, "-m", "workers.runtime.gpu_check", which],

@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from workers.runtime.cpus import use_slot_cpus
 from workers.runtime.env import runtime_env
+from workers.runtime.mig import take_own_device
 from workers.runtime.preflight import run_preflight
 from workers.runtime.stacks import allow_stack_dumps
 from workers.runtime.workdir import enter_workdir, import_first
@@ -33,6 +34,7 @@ def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit("usage: python -m workers.runtime.script PATH [ARGS...]")
     path = Path(argv[0])
+    take_own_device()  # MIG: this rank's own instance, before anything touches CUDA
     allow_stack_dumps()  # a silent job's stack, when py-spy cannot attach (contract §8)
     env = runtime_env()
     # A CPU rank's share of the worker's cores, before the script runs; silently: the script's

@@ -43,6 +43,9 @@ def test_uuid_and_mig_names_pass_through_as_they_are() -> None:
     assert ids == ("GPU-bbbb4444-4444", "MIG-1234-abcd/0/0")
     env = build_launch(_cuda_launch(ids, (0, 1))).env
     assert env["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb4444-4444,MIG-1234-abcd/0/0"
+    # MIG: each rank narrows it to its own entry (workers/runtime/mig.py)
+    assert env["TORCHJOBS_RANK_DEVICES"] == env["CUDA_VISIBLE_DEVICES"]
+    assert "TORCHJOBS_RANK_DEVICES" not in build_launch(_cuda_launch(("4", "5"), (0, 1))).env
 
 
 def test_no_list_means_the_slot_numbers_and_too_short_a_list_is_refused() -> None:

@@ -121,6 +121,21 @@ def test_ddp_on_cuda_uses_nccl_on_the_local_rank_gpu() -> None:
     assert (plan.backend, plan.device, plan.rank, plan.world_size) == ("nccl", "cuda:1", 3, 4)
 
 
+def test_a_mig_rank_takes_its_own_instance_and_drives_it_as_cuda_0() -> None:
+    """CUDA enumerates one MIG instance per process: local rank 1 of `MIG-a,MIG-b` narrows
+    CUDA_VISIBLE_DEVICES to `MIG-b` before CUDA starts, and its plan drives `cuda:0` (#37)."""
+    from workers.runtime.mig import take_own_device
+
+    environ = {**TORCHRUN_ENV, "CUDA_VISIBLE_DEVICES": "MIG-a,MIG-b", "TORCHJOBS_RANK_DEVICES": "MIG-a,MIG-b"}
+    assert environ["LOCAL_RANK"] == "1"
+    assert take_own_device(environ) == "MIG-b" and environ["CUDA_VISIBLE_DEVICES"] == "MIG-b"
+    env = RuntimeEnv.from_environ(environ)
+    plan = make_plan(parse_config(_config(accelerator="cuda")), env, cuda_device_count=1)
+    assert (plan.backend, plan.device, plan.local_rank) == ("nccl", "cuda:0", 1)
+    plain = {**TORCHRUN_ENV, "CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}
+    assert take_own_device(plain) is None and plain["CUDA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
+
+
 def test_ddp_on_cpu_uses_gloo() -> None:
     plan = make_plan(
         parse_config(_config(accelerator="cpu")), RuntimeEnv.from_environ(TORCHRUN_ENV), cuda_device_count=2

@@ -48,7 +48,7 @@ def place_model(model: nn.Module, plan: RunPlan) -> PlacedModel:
         model.to(device)
         ddp = DistributedDataParallel(
             model,
-            device_ids=[plan.local_rank] if plan.is_cuda else None,
+            device_ids=[device] if plan.is_cuda else None,
             **_no_buffer_broadcast(),
         )
         return PlacedModel(train=ddp, bare=model, eval=model)

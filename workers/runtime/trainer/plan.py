@@ -66,9 +66,10 @@ def _ddp_plan(mode: str, env: RuntimeEnv, accelerator: str, cuda_device_count: i
     if env.master_addr is None or env.master_port is None:
         raise ConfigError(f"mode {mode} must be started by torchrun (MASTER_ADDR/MASTER_PORT are unset)")
     if accelerator == "cuda":
-        if env.local_rank >= cuda_device_count:
+        index = 0 if env.own_device else env.local_rank  # a MIG rank sees its own instance only
+        if index >= cuda_device_count:
             raise ConfigError(f"LOCAL_RANK={env.local_rank} but this node sees {cuda_device_count} GPUs")
-        device, backend = f"cuda:{env.local_rank}", "nccl"
+        device, backend = f"cuda:{index}", "nccl"
     else:
         device, backend = "cpu", "gloo"
     return RunPlan(

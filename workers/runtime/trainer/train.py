@@ -23,6 +23,7 @@ from workers.runtime.dcp_checkpoint import DcpResume, load_resume_source
 from workers.runtime.env import RuntimeEnv, runtime_env
 from workers.runtime.errors import PREEMPTED_EXIT_CODE, Preempted
 from workers.runtime.exiting import run_then_exit
+from workers.runtime.mig import take_own_device
 from workers.runtime.preemption import ParentWatchdog, PreemptionFlag
 from workers.runtime.preflight import run_preflight
 from workers.runtime.stacks import allow_stack_dumps
@@ -50,6 +51,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """0 when training completed, PREEMPTED_EXIT_CODE after a SIGTERM; raises on errors."""
     args = _parse_args(argv)
+    take_own_device()  # MIG: this rank's own instance, before anything touches CUDA
     allow_stack_dumps()  # a silent job's stack, when py-spy cannot attach (contract §8)
     flag = PreemptionFlag().install()
     env = runtime_env()
