@@ -30,6 +30,7 @@ class Host:
     open_to_all: bool = True  # False: an unsandboxed worker, which takes the admin's jobs only
     quarantined: bool = False  # a sick host (contract §8): no new work until readmitted
     draining: bool = False  # an admin's drain (contract §12): no new work until readmitted
+    cuda: bool = True  # a CUDA worker (False: `--accelerator cpu`, process slots)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +43,7 @@ class QueuedJob:
     by_admin: bool = True
     owner: int = 0
     sweep: int | None = None  # a sweep's child: its parent, whose max_parallel it counts in
+    needs_cuda: bool = False  # e.g. amp fp16: never placed on a CPU worker of a mixed cluster
 
 
 @dataclass(kw_only=True)
@@ -124,6 +126,7 @@ def plan(
     sick = {h.name: len(h.free) for h in hosts if h.quarantined and not h.draining}
     preempting = Preempting(running)
     closed = {h.name for h in hosts if not h.open_to_all}
+    cpu_only = {h.name for h in hosts if not h.cuda}
     result = Plan()
     blocker: QueuedJob | None = None
     order = FairOrder(jobs, {k: replace(o) for k, o in (owners or {}).items()})  # inputs stay as given
@@ -139,19 +142,20 @@ def plan(
         if (held_back := _held_back(job, owner, need, sweep)) is not None:
             result.pending_reasons[job.id] = held_back
             continue
-        fitting = sorted(
-            (n for n, gpus in free.items() if len(gpus) >= job.gpus_per_node), key=lambda n: (len(free[n]), n)
-        )
+        barred = cpu_only if job.needs_cuda else set()
+        fitting = _fitting(job, free, barred)
         unsandboxed = 0
         if not job.by_admin:
             unsandboxed = sum(1 for n in fitting if n in closed)
             fitting = [n for n in fitting if n not in closed]
         if len(fitting) < job.nodes:
-            if (why := preempting.make_room(job, free, closed, result)) is not None:
+            if (why := preempting.make_room(job, free, closed, result, barred)) is not None:
                 result.pending_reasons[job.id] = why
                 continue
             quarantined = sorted(n for n, k in sick.items() if k >= job.gpus_per_node)
-            result.pending_reasons[job.id] = _reason(job, len(fitting), unsandboxed, quarantined)
+            result.pending_reasons[job.id] = _reason(
+                job, len(fitting), unsandboxed, quarantined, bool(barred)
+            )
             if job.waited_s >= starvation_s:
                 blocker = job
             continue
@@ -183,14 +187,19 @@ class Preempting:
         self.taken: set[int] = set()
 
     def make_room(
-        self, job: QueuedJob, free: dict[str, list[int]], closed: set[str], result: Plan
+        self,
+        job: QueuedJob,
+        free: dict[str, list[int]],
+        closed: set[str],
+        result: Plan,
+        barred: set[str] | frozenset[str] = frozenset(),
     ) -> str | None:
         """For a job that does not fit: wait for the jobs preempted for it already when their
         GPUs will make it fit, else preempt (once: the victims are marked stopping). Either way
         the free GPUs it will take are held back from the jobs after it. None: no room to make."""
         if not self.running:
             return None
-        usable = {n: len(g) for n, g in free.items() if job.by_admin or n not in closed}
+        usable = {n: len(g) for n, g in free.items() if (job.by_admin or n not in closed) and n not in barred}
         coming = self.coming.get(job.id, {})
         soon = {n: k + coming.get(n, 0) for n, k in usable.items()}
         if coming and fits(job.nodes, job.gpus_per_node, soon):
@@ -246,10 +255,26 @@ def _over_quota(owner: Owner, need: int) -> str:
     )
 
 
-def _reason(job: QueuedJob, fitting: int, unsandboxed: int = 0, quarantined: list[str] | None = None) -> str:
+def _fitting(job: QueuedJob, free: dict[str, list[int]], barred: set[str]) -> list[str]:
+    """The hosts with room for one node of the job, best fit first (fewest free GPUs)."""
+    return sorted(
+        (n for n, gpus in free.items() if len(gpus) >= job.gpus_per_node and n not in barred),
+        key=lambda n: (len(free[n]), n),
+    )
+
+
+def _reason(
+    job: QueuedJob,
+    fitting: int,
+    unsandboxed: int = 0,
+    quarantined: list[str] | None = None,
+    cuda_only: bool = False,
+) -> str:
     hosts = "1 has them" if fitting == 1 else f"{fitting} have them"
     node_word = "node" if job.nodes == 1 else "nodes"
     reason = f"needs {job.nodes} {node_word} with {job.gpus_per_node} free GPUs; {hosts}"
+    if cuda_only:
+        reason += " (it needs a CUDA worker: amp fp16)"
     if unsandboxed:
         reason += f" ({unsandboxed} more without a sandbox take only the admin's jobs)"
     if quarantined:

@@ -175,6 +175,7 @@ def placement_inputs(session: Session) -> PlacementInputs:
             Job.pending_reason,
             Job.owner_id,
             Job.parent_id,
+            Job.hyperparameters,
             User.is_admin,
         )
         .join(User, User.id == Job.owner_id)
@@ -196,6 +197,7 @@ def placement_inputs(session: Session) -> PlacementInputs:
             open_to_all=w.open_to_all,
             quarantined=w.quarantine_reason is not None,
             draining=w.draining_since is not None,
+            cuda=w.accelerator == "cuda",
         )
         for n, w in workers.items()
     ]
@@ -212,6 +214,7 @@ def placement_inputs(session: Session) -> PlacementInputs:
             by_admin=bool(r.is_admin),
             owner=r.owner_id,
             sweep=r.parent_id,
+            needs_cuda=needs_cuda(r.hyperparameters),
         )
         for r in rows
         if r.id not in held_back
@@ -220,6 +223,12 @@ def placement_inputs(session: Session) -> PlacementInputs:
     sweeps = sweep_limits(session, {q.sweep for q in queued if q.sweep is not None})
     running = running_jobs(session, max((q.priority for q in queued), default=None))
     return PlacementInputs(rows, queued, hosts, workers, owners, ready, sweeps, running)
+
+
+def needs_cuda(hyperparameters: dict[str, Any] | None) -> bool:
+    """What only a CUDA worker can run: fp16 autocast (its GradScaler has no CPU form). Placed
+    on a CPU worker of a mixed cluster, such a job would fail at its first step."""
+    return isinstance(hyperparameters, dict) and hyperparameters.get("amp") == "fp16"
 
 
 def owners_of(session: Session, owner_ids: set[int]) -> dict[int, Owner]:

@@ -200,3 +200,16 @@ def test_many_quarantined_hosts_are_counted_not_all_named() -> None:
     reason = plan([QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=2)], hosts, 300).pending_reasons[1]
     assert "sick-004" in reason and "sick-005" not in reason and "and 35 more" in reason
     assert len(reason) <= 1000
+
+
+def test_a_job_that_needs_cuda_is_never_placed_on_a_cpu_worker() -> None:
+    """amp fp16 fails at its first step on a CPU worker of a mixed cluster (#37): it waits for
+    a CUDA worker, and says so; any other job takes the CPU worker's slots."""
+    hosts = [Host(name="cpu", free=(0, 1), cuda=False), Host(name="gpu", free=())]
+    fp16 = QueuedJob(id=1, priority=5, nodes=1, gpus_per_node=1, needs_cuda=True)
+    plain = QueuedJob(id=2, priority=0, nodes=1, gpus_per_node=1)
+    result = plan([fp16, plain], hosts, starvation_s=1e9)
+    assert 1 not in result.placements and "needs a CUDA worker" in result.pending_reasons[1]
+    assert result.placements[2][0].host == "cpu"
+    freed = [Host(name="cpu", free=(0, 1), cuda=False), Host(name="gpu", free=(0,))]
+    assert plan([fp16], freed, starvation_s=1e9).placements[1][0].host == "gpu"
