@@ -62,6 +62,7 @@ MARKS: dict[str, tuple[str, ...]] = {
     "workers/launcher/test_warm_pool.py": ("torchrun",),
     "workers/runtime/test_runtime_checkpoint.py": ("torchrun",),
     "workers/runtime/test_runtime_cpu_slots.py": ("torchrun",),
+    "workers/runtime/test_runtime_ddp_knobs.py": ("torchrun",),
     "workers/runtime/test_runtime_dp.py": ("torchrun",),
     "workers/runtime/test_runtime_exit.py": ("torchrun",),
     "workers/runtime/test_runtime_factory_order.py": ("torchrun",),

@@ -112,6 +112,12 @@ class Hyperparameters(Input):
     )
     synthetic_size: int = Field(4096, ge=1, le=10_000_000, description="samples of the synthetic data set")
     report_every: int = Field(10, ge=1, le=1_000_000, description="steps between progress reports")
+    # ddp knobs for factory models (#37)
+    sync_buffers: Literal["init", "step"] = Field(
+        "init", description="non-BatchNorm buffers from rank 0: once at the start, or before every step"
+    )
+    find_unused_parameters: bool = Field(False, description="DDP's, for models that skip parameters")
+    static_graph: bool = Field(False, description="DDP's, for a graph that never changes")
 
 
 class ResumeFrom(Input):

@@ -60,6 +60,9 @@ class Hyperparameters:
     clip_grad_norm: float | None = None
     compile: bool = False
     checkpoint_every_s: float | None = None
+    sync_buffers: str = "init"  # ddp: rank 0's buffers once ("init") or before every step ("step")
+    find_unused_parameters: bool = False  # ddp's own knobs, for factory models
+    static_graph: bool = False
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -92,8 +95,13 @@ class Hyperparameters:
         for name in ("clip_grad_norm", "checkpoint_every_s"):
             if getattr(self, name) is not None:
                 _require_number(name, getattr(self, name), 0.0, inclusive=False)
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"hyperparameters.compile must be true or false, not {self.compile!r}")
+        for name in ("compile", "find_unused_parameters", "static_graph"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"hyperparameters.{name} must be true or false, not {getattr(self, name)!r}"
+                )
+        if self.sync_buffers not in ("init", "step"):
+            raise ConfigError(f"hyperparameters.sync_buffers must be init or step, not {self.sync_buffers!r}")
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> Hyperparameters:

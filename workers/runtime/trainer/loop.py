@@ -196,7 +196,7 @@ class Trainer:
                 target.load_state_dict(fit_state_dict(resume[0], target))
             except RuntimeError as exc:
                 raise CheckpointError(f"checkpoint weights do not fit the model: {exc}") from exc
-        return place_model(model, self.plan)
+        return place_model(model, self.plan, self.config.hyperparameters)
 
     def _sharded_setup(self, resume: Resume | DcpResume | None) -> DcpSaver:
         """fsdp: the checkpoint group and saver; a DCP folder's tensors into the shards (the

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -34,8 +35,9 @@ class PlacedModel:
     eval: nn.Module  # what validation calls: never DDP, whose forward expects a backward
 
 
-def place_model(model: nn.Module, plan: RunPlan) -> PlacedModel:
+def place_model(model: nn.Module, plan: RunPlan, hp: Hyperparameters | None = None) -> PlacedModel:
     """Convert BatchNorm for the mode, move to the device, wrap."""
+    hp = hp if hp is not None else Hyperparameters()
     device = torch.device(plan.device)
     if plan.mode == "fsdp":  # sharded in place: one module trains, evaluates and is saved
         sharded = shard_model(model, plan)
@@ -46,10 +48,13 @@ def place_model(model: nn.Module, plan: RunPlan) -> PlacedModel:
         else:
             model = convert_distributed_batchnorm(model)
         model.to(device)
+        broadcast_buffers(model)
         ddp = DistributedDataParallel(
             model,
             device_ids=[device] if plan.is_cuda else None,
-            **_no_buffer_broadcast(),
+            find_unused_parameters=hp.find_unused_parameters,
+            static_graph=hp.static_graph,
+            **_buffer_sync(every_step=hp.sync_buffers == "step"),
         )
         return PlacedModel(train=ddp, bare=model, eval=model)
     if plan.mode == "dp" and len(plan.dp_device_ids) > 1:
@@ -61,15 +66,28 @@ def place_model(model: nn.Module, plan: RunPlan) -> PlacedModel:
     return PlacedModel(train=model, bare=model, eval=model)
 
 
-def _no_buffer_broadcast() -> dict[str, Any]:
-    """Synchronised BatchNorm keeps buffers equal, so DDP need not broadcast them every forward.
+def broadcast_buffers(model: nn.Module) -> None:
+    """Every buffer from rank 0, before the first step. A factory model's own buffers (a
+    positional table drawn at random, a running average that is not BatchNorm's) would
+    otherwise start different on each rank: which torch versions sync them in DDP's constructor
+    when `broadcast_buffers` is off has changed, so it is done here, on every version."""
+    buffers = [b for b in model.buffers() if b.numel()]
+    if buffers and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for buf in buffers:
+            dist.broadcast(buf, src=0)
 
-    torch 2.13 renamed `broadcast_buffers` to `forward_sync_buffers` (still syncing at init,
-    which is harmless here) and warns about the old name; older versions know only the old one.
+
+def _buffer_sync(every_step: bool) -> dict[str, Any]:
+    """Synchronised BatchNorm keeps its buffers equal, so DDP need not broadcast them every
+    forward, unless the spec asks (`sync_buffers: step`: a factory model whose own buffers
+    drift apart between ranks during training).
+
+    torch 2.13 renamed `broadcast_buffers` to `forward_sync_buffers` and warns about the old
+    name; older versions know only the old one.
     """
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"forward_sync_buffers": False}
-    return {"broadcast_buffers": False}
+        return {"forward_sync_buffers": every_step}
+    return {"broadcast_buffers": every_step}
 
 
 def make_optimizer(model: nn.Module, hp: Hyperparameters) -> torch.optim.Optimizer:
