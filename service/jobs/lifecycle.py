@@ -191,6 +191,7 @@ def claim_for_launch(session: Session, key: NodeKey, worker_session: str) -> Cla
         entrypoint=job.entrypoint,
         hyperparameters=job.hyperparameters,
         user_env=dict(job.env or {}),
+        stop_grace_s=job.stop_grace_s,
     )
     resume = (latest.id, latest.storage_key, latest.sha256) if latest else None
     if latest is not None and key.node_rank == 0:

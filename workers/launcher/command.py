@@ -68,6 +68,9 @@ class NodeLaunch:
     # how many slots the worker has (CPU: its cores are shared out among them); 0: not told
     worker_slots: int = 0
     private_network: bool = False  # (sandboxed, single-node) a network namespace of its own
+    # contract §12: what torchrun waits between the SIGTERM it forwards and its SIGKILL (its
+    # own default, 30 s, would cut a multi-GB checkpoint written in the job's grace)
+    stop_grace_s: int = 120
 
     def __post_init__(self) -> None:
         if self.mode not in ("single", "dp", "ddp", "fsdp"):
@@ -210,6 +213,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         "--redirects=3",
         "--max-restarts=0",
         "--monitor-interval=0.1",  # torchrun's default: a rank's exit is seen within 0.1 s
+        f"--shutdown-timeout={launch.stop_grace_s}",
     ]
     config = None
     if launch.entrypoint.get("kind") == "script":

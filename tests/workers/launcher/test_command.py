@@ -62,6 +62,9 @@ def test_builtin_ddp_argv() -> None:
     assert "--nproc-per-node=2" in plan.argv and "--nnodes=1" in plan.argv and "--node-rank=0" in plan.argv
     assert "--master-addr=127.0.0.1" in plan.argv and "--master-port=29555" in plan.argv
     assert "--rdzv-id=torchjobs-7-2" in plan.argv and "--redirects=3" in plan.argv
+    # torchrun's SIGTERM-to-SIGKILL wait is the job's stop grace, not its own 30 s (contract §12)
+    assert "--shutdown-timeout=120" in plan.argv
+    assert "--shutdown-timeout=900" in build_launch(launch(stop_grace_s=900)).argv
     assert plan.argv[-4:] == ["-m", "workers.runtime.trainer.train", "--config", "/runs/j7/config.json"]
     assert plan.config == {
         "mode": "ddp",
