@@ -95,6 +95,11 @@ class Started:
     proc: subprocess.Popen[bytes]
     control: int | None  # the write end of a pty session's resize pipe
     sessions: set[int] = field(default_factory=set)  # of its processes, as last seen
+    # a sandboxed exec: the node's PID namespace and the rank's uid. Only a process of both is
+    # ever signalled through a remembered session id: a session id, like a PID, is a number
+    # the host may give to anyone once its processes are gone (a root daemon's, say)
+    namespace: str | None = None
+    uid: int | None = None
 
 
 class Endpoint:
@@ -270,10 +275,12 @@ def _spawn(node: RunningNode, local_rank: int, argv: list[str], tty: bool) -> St
                 workdir or str(RUN_DIR),
                 read_ctl if tty else None,
                 argv,
-                filtered=True,
+                filtered=False,  # installed before the uid drop (exec_command.PREFILTER)
             )
-            full = exec_command.sandboxed_argv(ns_fds, root_fd, uid, gid, inner)
+            ctl = read_ctl if tty else None
+            full = exec_command.sandboxed_argv(ns_fds, root_fd, uid, gid, inner, control_fd=ctl)
             work_dir: str | None = None
+            owner: tuple[str | None, int | None] = (node.namespace, uid)
         else:
             full = exec_command.entry_argv(
                 exec_command.python(),
@@ -284,6 +291,7 @@ def _spawn(node: RunningNode, local_rank: int, argv: list[str], tty: bool) -> St
                 filtered=False,
             )
             work_dir = str(plan.paths.run_dir)
+            owner = (None, None)
         if node.group is not None:
             full = node.group.join_argv(full)
         proc = subprocess.Popen(
@@ -304,7 +312,10 @@ def _spawn(node: RunningNode, local_rank: int, argv: list[str], tty: bool) -> St
         for fd in held:
             with contextlib.suppress(OSError):
                 os.close(fd)
-    return Started(proc=proc, control=write_ctl if tty else None, sessions={proc.pid})
+    namespace, rank_uid = owner
+    return Started(
+        proc=proc, control=write_ctl if tty else None, sessions={proc.pid}, namespace=namespace, uid=rank_uid
+    )
 
 
 def _open_rank(pid: int, node: RunningNode) -> tuple[dict[str, int], int, int, int]:
@@ -366,15 +377,17 @@ def _relay(sock: socket.socket, reader: Any, started: Started) -> None:
     the exit code."""
     proc = started.proc
     gone = threading.Event()
-    inbound = threading.Thread(target=_inbound, args=(reader, started, gone), daemon=True)
+    inbound = threading.Thread(target=_inbound, args=(reader, sock, started, gone), daemon=True)
     inbound.start()
     assert proc.stdout is not None
     out, out_open = proc.stdout.fileno(), True
+    output = select.poll()  # not select(): a busy worker's descriptors pass 1023
+    output.register(out, select.POLLIN | select.POLLHUP)
     exited_at: float | None = None
     next_look = 0.0
     while not gone.is_set():
         if out_open:
-            ready, _, _ = select.select([out], [], [], 0.2)
+            ready = output.poll(200)
             if ready:
                 data = os.read(out, 65536)
                 if data:
@@ -412,9 +425,10 @@ def _exited(proc: subprocess.Popen[bytes]) -> bool:
         return True
 
 
-def _inbound(reader: Any, started: Started, gone: threading.Event) -> None:
+def _inbound(reader: Any, sock: socket.socket, started: Started, gone: threading.Event) -> None:
     proc = started.proc
     assert proc.stdin is not None
+    os.set_blocking(proc.stdin.fileno(), False)  # a command that reads nothing must not hold us
     try:
         while True:
             header = reader.read(exec_link.HEADER.size)
@@ -426,25 +440,49 @@ def _inbound(reader: Any, started: Started, gone: threading.Event) -> None:
             payload = reader.read(size)
             if len(payload) < size:
                 break
-            _deliver(started, kind, payload)
+            if not _deliver(started, kind, payload, sock):
+                break
     except (OSError, ValueError):
         pass
     gone.set()
     _kill(started)
 
 
-def _deliver(started: Started, kind: int, payload: bytes) -> None:
+def _deliver(started: Started, kind: int, payload: bytes, sock: socket.socket) -> bool:
+    """One frame from the API into the process; False once the API has hung up (seen while
+    waiting for a command that does not read its stdin)."""
     stdin = started.proc.stdin
     assert stdin is not None
-    with contextlib.suppress(OSError, ValueError):  # the process closed its stdin, or exited
+    # the process closed its stdin or exited; a resize that is no [rows, cols]
+    with contextlib.suppress(OSError, ValueError, TypeError, RecursionError):
         if kind == exec_link.DATA and payload:
-            stdin.write(payload)
-            stdin.flush()
-        elif kind == exec_link.EOF:
+            return _write_while_connected(stdin.fileno(), payload, sock)
+        if kind == exec_link.EOF:
             stdin.close()
         elif kind == exec_link.RESIZE and started.control is not None:
             rows, cols = json.loads(payload)
             os.write(started.control, f"{int(rows)} {int(cols)}\n".encode())
+    return True
+
+
+def _write_while_connected(fd: int, data: bytes, sock: socket.socket) -> bool:
+    """All of `data` into the (non-blocking) pipe as the process reads it; False as soon as the
+    API closes its side, whatever it still had in flight (POLLRDHUP: its FIN, even behind
+    unread bytes)."""
+    waiting = select.poll()
+    waiting.register(fd, select.POLLOUT)
+    waiting.register(sock.fileno(), select.POLLRDHUP)
+    view = memoryview(data)
+    while view:
+        for ready_fd, events in waiting.poll(1000):
+            if ready_fd == sock.fileno() and events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR):
+                return False
+            if ready_fd == fd and events & (select.POLLERR | select.POLLHUP):
+                raise BrokenPipeError
+            if ready_fd == fd and events & select.POLLOUT:
+                with contextlib.suppress(BlockingIOError):
+                    view = view[os.write(fd, view) :]
+    return True
 
 
 def _end(started: Started) -> None:
@@ -462,10 +500,11 @@ def _end(started: Started) -> None:
 
 def _remember_sessions(started: Started) -> None:
     """The sessions of the exec's processes, looked at while they run: a daemon that double
-    forked is no descendant any more, but it stays in its session."""
-    if started.proc.returncode is None:
+    forked is no descendant any more, but it stays in its session. Sandboxed execs only (an
+    unsandboxed one's processes are the worker's uid on the host: its descendants only)."""
+    if started.proc.returncode is None and started.namespace is not None:
         table = _process_table()
-        mine = _descendants(started.proc.pid, table)
+        mine = _descendants(started.proc.pid, table) - {started.proc.pid}
         started.sessions |= {table[pid][1] for pid in mine if pid in table}
 
 
@@ -479,12 +518,44 @@ def _kill(started: Started) -> None:
         return  # reaped: done before its wait (an id of a session long gone may be another's now)
     _remember_sessions(started)
     table = _process_table()
-    mine = _descendants(proc.pid, table)
-    victims = {pid for pid, (_, sid) in table.items() if sid in started.sessions} | mine
-    victims -= {0, 1, os.getpid()}
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    mine = _descendants(proc.pid, table) - {proc.pid}
+    in_sessions = {pid for pid, (_, sid) in table.items() if sid in started.sessions}
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()  # nsenter's: our own child, not reaped yet, so this PID is still it
+    for pid in (mine | in_sessions) - {0, 1, os.getpid(), proc.pid}:
+        _kill_if_the_jobs(pid, started)
+
+
+def _kill_if_the_jobs(pid: int, started: Started) -> None:
+    """SIGKILL `pid` only while it is a process of the exec's node: in its PID namespace and of
+    the rank's uid (sandboxed), or a descendant of the worker's own exec (unsandboxed). Checked
+    through a pidfd, so the process checked is the one signalled."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return
+    try:
+        if started.namespace is not None:
+            if os.readlink(f"/proc/{pid}/ns/pid") != started.namespace or _uid_of(pid) != started.uid:
+                return
+        elif pid not in _descendants(started.proc.pid, _process_table()):
+            return
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    except OSError:
+        return
+    finally:
+        os.close(pidfd)
+
+
+def _uid_of(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text(errors="replace")
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    return None
 
 
 def _process_table() -> dict[int, tuple[int, int]]:

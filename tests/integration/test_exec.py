@@ -256,6 +256,78 @@ def test_the_cli_passes_the_exit_code_and_stdin(stack: Stack, alice: str, job: i
     assert done.stdout == b"through\n"
 
 
+def test_the_job_cannot_catch_an_exec_before_its_seccomp_filter(stack: Stack, alice: str, job: int) -> None:
+    """The filter is on before the exec'd process is the job's uid: a process of the job that
+    attaches to it with ptrace at the first moment it can finds it filtered (it was unfiltered
+    for its Python's start-up, long enough to be made to exec a shell without the filter)."""
+    watcher = f"{sys.executable} {harness.SCRIPTS / 'exec_watcher.py'} 30"
+    seen: dict[str, ExecResult] = {}
+    thread = threading.Thread(target=lambda: seen.update(w=_exec(stack, alice, job, watcher)), daemon=True)
+    thread.start()
+    harness.wait_for(lambda: _mentions(stack, job, b"exec_watcher.py"), 30, "the watcher")
+    for _ in range(20):
+        assert _exec(stack, alice, job, "true").exit_code == 0
+        if not thread.is_alive():
+            break
+    thread.join(timeout=60)
+    said = seen["w"].output.decode()
+    assert "seized seccomp" in said, said  # it did catch one: the test is not vacuous
+    assert "seized seccomp 2" in said and "seized seccomp 0" not in said, said
+
+
+def test_a_session_id_reused_on_the_host_is_not_the_execs(stack: Stack, alice: str, job: int) -> None:
+    """An exec's daemon made a session of its own and ended; a root process of the host then
+    got that number as its PID and session id. When the client goes, the worker kills what is
+    left of the exec's sessions: never that host process."""
+    rank_uid = _rank_uid(stack, job)
+    with _session(stack, alice, job, cmd="sh -c 'setsid sleep 3; exec sleep 600'") as ws:
+        host_pid = harness.wait_for(lambda: _host_pid(b"sleep\x003\x00", rank_uid), 30, "the daemon")
+        harness.wait_for(lambda: not Path(f"/proc/{host_pid}").exists(), 30, "the daemon to end")
+        victim = _process_with_pid(host_pid)
+        ws.close()
+    try:
+        harness.wait_for(lambda: _count(stack, job, b"sleep\x00600") == 0, 30, "the session's processes")
+        assert victim.poll() is None, "the worker killed a host process through a stale session id"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def _host_pid(cmdline: bytes, uid: int) -> int | None:
+    for entry in os.listdir("/proc"):
+        try:
+            ours = entry.isdigit() and Path(f"/proc/{entry}").stat().st_uid == uid
+            if ours and Path(f"/proc/{entry}/cmdline").read_bytes() == cmdline:
+                return int(entry)
+        except OSError:
+            continue
+    return None
+
+
+def _process_with_pid(pid: int) -> subprocess.Popen[bytes]:
+    """A root process of the host that leads a session numbered `pid` (the kernel hands out the
+    PID after ns_last_pid; another process may take it first: tried again)."""
+    for _ in range(200):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        proc = subprocess.Popen(["setsid", "sleep", "600"])
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    raise AssertionError(f"could not start a host process as PID {pid}")
+
+
+def test_a_command_that_reads_no_stdin_ends_when_the_client_goes(stack: Stack, alice: str, job: int) -> None:
+    """3 MB of stdin to `sleep`, which reads none, then the client drops the connection: the
+    worker's session ends with it (it blocked in the write, and kept the process, a thread and
+    the socket until the job ended)."""
+    ws = _session(stack, alice, job, cmd="sleep 301")
+    harness.wait_for(lambda: _count(stack, job, b"sleep\x00301") == 1, 30, "the command")
+    ws.send(b"x" * 3_000_000)
+    ws.socket.close()
+    harness.wait_for(lambda: _count(stack, job, b"sleep\x00301") == 0, 60, "the command to be killed")
+
+
 def test_the_per_user_limit(stack: Stack, alice: str, job: int) -> None:
     with contextlib.ExitStack() as sessions:
         for _ in range(MAX_PER_USER):
@@ -300,6 +372,14 @@ def test_the_session_ends_with_the_job_and_leaves_nothing(stack: Stack, job: int
     assert _refusal(stack, ADMIN_TOKEN, job, cmd="true")[0] == 400
     harness.wait_for(lambda: not harness.pids_of_job(job, stack.home), 30, "nothing of the job left")
     assert _count(stack, job, b"sleep") == 0
+
+
+def _mentions(stack: Stack, job_id: int, needle: bytes) -> bool:
+    for pid in harness.pids_of_job(job_id, stack.home):
+        with contextlib.suppress(OSError):
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return True
+    return False
 
 
 def _count(stack: Stack, job_id: int, program: bytes) -> int:

@@ -6,10 +6,15 @@ directory (taken from descriptors the worker opened on the rank's /proc entry an
 against the node's PID namespace, so a recycled PID cannot point it elsewhere), after the
 cgroup join program (cgroups.py) has put it in the node's control groups; then util-linux's
 `setpriv` becomes the rank's own uid and gid, with no capabilities, an empty bounding set and
-`no_new_privs`; then ENTRY (below) arms PR_SET_PDEATHSIG, installs the sandbox's seccomp
-filter (seccomp.py, the same program sandbox.ENTRY installs) and execs the command with the
-ranks' environment. The same steps as a rank's own start, in the same order: the filter comes
-last because it forbids `setns`.
+`no_new_privs`; then ENTRY (below) arms PR_SET_PDEATHSIG and execs the command with the
+ranks' environment. The sandbox's seccomp filter (seccomp.py, the program sandbox.ENTRY
+installs) is installed between nsenter and setpriv, by PREFILTER, still as root: after `setns`
+(which it forbids) and before the process is the rank's uid. Installed later, by the exec'd
+Python itself, it left a window in which that Python, already of the job's uid, dumpable and
+unfiltered, could be ptrace'd by any process of the job and made to exec what it liked: a
+shell without the filter (`unshare -U` worked there), or the admin's exec answering with the
+job's output. PREFILTER also closes every descriptor but the standard ones and a pty's control
+pipe, so the namespace descriptors nsenter was given never reach the rank's uid.
 
 A worker whose sandbox lives in an unprivileged user namespace (`bwrap-userns`, a non-root
 worker) is refused (`Refused`): joining it takes that namespace's credentials, which this code
@@ -121,6 +126,27 @@ while ins:
 """
 
 
+# Run as root inside the rank's namespaces: argv[1] seccomp program (hex), argv[2] "-" or the
+# control descriptor to keep, argv[3:] what to exec (setpriv ...).
+PREFILTER = r"""
+import ctypes, os, sys
+keep = -1 if sys.argv[2] == "-" else int(sys.argv[2])
+for fd in os.listdir("/proc/self/fd"):
+    if int(fd) > 2 and int(fd) != keep:
+        try: os.close(int(fd))
+        except OSError: pass
+libc = ctypes.CDLL(None, use_errno=True)
+prog = bytes.fromhex(sys.argv[1])
+class Prog(ctypes.Structure): _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+fprog = Prog(len(prog) // 8, prog)
+ul = ctypes.c_ulong
+nnp = libc.prctl(38, ul(1), ul(0), ul(0), ul(0))
+if not prog or nnp or libc.prctl(22, ul(2), ctypes.byref(fprog), ul(0), ul(0)):
+    sys.exit("torchjobs exec: seccomp filter refused: " + os.strerror(ctypes.get_errno()))
+os.execv(sys.argv[3], sys.argv[3:])
+"""
+
+
 class Refused(Exception):
     """This worker cannot enter that sandbox; the message says why (the caller's 400)."""
 
@@ -146,10 +172,17 @@ def entry_argv(
 
 
 def sandboxed_argv(
-    ns_fds: Mapping[str, int], root_fd: int, uid: int, gid: int, inner: Sequence[str]
+    ns_fds: Mapping[str, int],
+    root_fd: int,
+    uid: int,
+    gid: int,
+    inner: Sequence[str],
+    *,
+    control_fd: int | None = None,
 ) -> list[str]:
     """nsenter into the rank's namespaces and root (descriptors this process holds, passed
-    on), then setpriv to the rank's uid with nothing more, then `inner` (an ENTRY argv)."""
+    on), then PREFILTER (the seccomp filter, as root), then setpriv to the rank's uid with
+    nothing more, then `inner` (an ENTRY argv)."""
     if uid == 0 or gid == 0:
         raise Refused("the rank runs as root: refusing to start a process as root in it")
     nsenter = shutil.which("nsenter") or "/usr/bin/nsenter"
@@ -159,7 +192,9 @@ def sandboxed_argv(
         if name in ns_fds:
             args.append(f"--{NSENTER_FLAG[name]}=/proc/self/fd/{ns_fds[name]}")
     args.append(f"--root=/proc/self/fd/{root_fd}")
-    args += ["--", setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
+    keep = "-" if control_fd is None else str(control_fd)
+    args += ["--", python(), "-S", "-I", "-c", PREFILTER, seccomp.program().hex(), keep]
+    args += [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
     args += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
     return [*args, *inner]
 
