@@ -42,6 +42,7 @@ from service.checkpoints.manifest import ManifestEntry, manifest_sha256, unsafe_
 from service.checkpoints.recording import record_checkpoint
 from service.checkpoints.service import _key_part
 from service.code.archive import MAX_READ, UnsafeArchive, check_member, open_archive
+from service.code.archive import ArchiveLimits as FolderLimits  # the same limits as code archives (§6)
 from service.config import Settings
 from service.db import Database
 from service.errors import InvalidSpec
@@ -59,12 +60,6 @@ NOT_A_TAR = "the body is not a tar archive (plain or gzip-compressed)"
 def is_folder_upload(content_type: str | None) -> bool:
     """A tar or gzip-tar body is a folder checkpoint; anything else is a file (§2, §11)."""
     return (content_type or "").split(";", 1)[0].strip().lower() in FOLDER_TYPES
-
-
-@dataclass(frozen=True)
-class FolderLimits:
-    unpacked_bytes: int
-    members: int
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from service.checkpoints import folder_files, folder_upload, recording, service,
 from service.checkpoints.schemas import CheckpointFileList, CheckpointList
 from service.models import Checkpoint
 from service.schemas import CheckpointOut, checkpoint_out, require_storable
+from service.storage import Storage
 
 router = APIRouter(tags=["checkpoints"])
 CkptId = CheckpointIdPath
@@ -85,17 +86,8 @@ async def download_checkpoint(
             storage, ckpt, range_header=range_, if_range=if_range, if_none_match=if_none_match
         )
     except service.UnsatisfiableRange as exc:
-        return JSONResponse(
-            {"detail": exc.detail}, status_code=416, headers={"Content-Range": f"bytes */{exc.size}"}
-        )
-    if plan.status == 304 or request.method == "HEAD":
-        return Response(status_code=plan.status, headers=plan.headers, media_type="application/octet-stream")
-    return StreamingResponse(
-        service.read_range(storage, ckpt.storage_key, plan.start, plan.end),
-        status_code=plan.status,
-        headers=plan.headers,
-        media_type="application/octet-stream",
-    )
+        return _unsatisfiable(exc)
+    return _ranged(request, plan, storage, ckpt.storage_key)
 
 
 # HEAD answers the same headers without the body; kept out of the schema (one operation, one id).
@@ -136,6 +128,18 @@ async def _download_folder(
     )
 
 
+def _ranged(request: Request, plan: service.DownloadPlan, storage: Storage, key: str) -> Response:
+    """The planned bytes of one stored object: headers only for a 304 or a HEAD."""
+    if plan.status == 304 or request.method == "HEAD":
+        return Response(status_code=plan.status, headers=plan.headers, media_type="application/octet-stream")
+    return StreamingResponse(
+        service.read_range(storage, key, plan.start, plan.end),
+        status_code=plan.status,
+        headers=plan.headers,
+        media_type="application/octet-stream",
+    )
+
+
 def _unsatisfiable(exc: service.UnsatisfiableRange) -> Response:
     return JSONResponse(
         {"detail": exc.detail}, status_code=416, headers={"Content-Range": f"bytes */{exc.size}"}
@@ -173,14 +177,7 @@ async def download_checkpoint_file(
         )
     except service.UnsatisfiableRange as exc:
         return _unsatisfiable(exc)
-    if plan.status == 304 or request.method == "HEAD":
-        return Response(status_code=plan.status, headers=plan.headers, media_type="application/octet-stream")
-    return StreamingResponse(
-        service.read_range(storage, served.storage_key, plan.start, plan.end),
-        status_code=plan.status,
-        headers=plan.headers,
-        media_type="application/octet-stream",
-    )
+    return _ranged(request, plan, storage, served.storage_key)
 
 
 router.add_api_route(
