@@ -94,21 +94,50 @@ async def _relay(
     return tasks[first]
 
 
+MAX_STDIN_BACKLOG = 16 * 1024 * 1024  # unread stdin past this ends the session
+
+
 async def _from_client(websocket: WebSocket, link: WorkerLink, tty: bool) -> None:
+    """The client's messages to the worker. Received without waiting for the worker to take
+    them (a pump sends them on): a command that reads no stdin must not stop this from seeing
+    the client go, which ends the session (and the worker's side with it). A client that sends
+    more than MAX_STDIN_BACKLOG the command has not read ends its own session."""
+    backlog: asyncio.Queue[tuple[int, bytes]] = asyncio.Queue()
+    queued = [0]
+    pump = asyncio.create_task(_pump(link, backlog, queued))
+    try:
+        while not pump.done():
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            for frame in _frames(message, tty):
+                backlog.put_nowait(frame)
+                queued[0] += len(frame[1])
+            if queued[0] > MAX_STDIN_BACKLOG:
+                return
+        pump.result()  # the worker's link failed: said by the caller
+    finally:
+        pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await pump
+
+
+def _frames(message: Any, tty: bool) -> list[tuple[int, bytes]]:
+    data = message.get("bytes")
+    if data is not None:
+        if not data:
+            return [(exec_link.EOF, b"")]
+        step = exec_link.MAX_FRAME
+        return [(exec_link.DATA, data[i : i + step]) for i in range(0, len(data), step)]
+    size = _resize(message.get("text"))
+    return [(exec_link.RESIZE, json.dumps(size).encode())] if size is not None and tty else []
+
+
+async def _pump(link: WorkerLink, backlog: asyncio.Queue[tuple[int, bytes]], queued: list[int]) -> None:
     while True:
-        message = await websocket.receive()
-        if message["type"] == "websocket.disconnect":
-            return
-        data = message.get("bytes")
-        if data is not None:
-            if not data:
-                await link.send(exec_link.EOF)
-            for start in range(0, len(data), exec_link.MAX_FRAME):
-                await link.send(exec_link.DATA, data[start : start + exec_link.MAX_FRAME])
-            continue
-        size = _resize(message.get("text"))
-        if size is not None and tty:
-            await link.send(exec_link.RESIZE, json.dumps(size).encode())
+        kind, payload = await backlog.get()
+        await link.send(kind, payload)
+        queued[0] -= len(payload)
 
 
 def _resize(text: str | None) -> list[int] | None:
