@@ -523,13 +523,13 @@ def _kill(started: Started) -> None:
     with contextlib.suppress(ProcessLookupError):
         proc.kill()  # nsenter's: our own child, not reaped yet, so this PID is still it
     for pid in (mine | in_sessions) - {0, 1, os.getpid(), proc.pid}:
-        _kill_if_the_jobs(pid, started)
+        _kill_if_the_jobs(pid, started, mine)
 
 
-def _kill_if_the_jobs(pid: int, started: Started) -> None:
+def _kill_if_the_jobs(pid: int, started: Started, mine: set[int]) -> None:
     """SIGKILL `pid` only while it is a process of the exec's node: in its PID namespace and of
-    the rank's uid (sandboxed), or a descendant of the worker's own exec (unsandboxed). Checked
-    through a pidfd, so the process checked is the one signalled."""
+    the rank's uid (sandboxed), or one of `mine`, the descendants of the worker's own exec
+    (unsandboxed). Checked through a pidfd, so the process checked is the one signalled."""
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
@@ -538,7 +538,7 @@ def _kill_if_the_jobs(pid: int, started: Started) -> None:
         if started.namespace is not None:
             if os.readlink(f"/proc/{pid}/ns/pid") != started.namespace or _uid_of(pid) != started.uid:
                 return
-        elif pid not in _descendants(started.proc.pid, _process_table()):
+        elif pid not in mine:
             return
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     except OSError:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import anyio.to_thread
 from sqlalchemy.orm import Session
 
 from service.checkpoints import repository as repo
 from service.checkpoints.manifest import folder_name, sorted_rows, unsafe_path_reason
 from service.checkpoints.schemas import CheckpointFileList, CheckpointFileOut
-from service.checkpoints.service import DownloadPlan, plan_bytes
+from service.checkpoints.service import DownloadPlan, check_stored, plan_bytes
 from service.checkpoints.tar_stream import TarFile, archive_size
 from service.db import Database
 from service.errors import Conflict, NotFound
@@ -87,16 +86,7 @@ async def plan_file(
     if_none_match: str | None,
 ) -> DownloadPlan:
     """As `plan_download`, for one file: its stored size checked first (404 gone, 409 changed)."""
-    try:
-        stored = await anyio.to_thread.run_sync(storage.size, served.storage_key)
-    except FileNotFoundError:
-        log.error("checkpoint %s: %s is missing from storage", ckpt.id, served.storage_key)
-        raise NotFound("checkpoint data") from None
-    if stored != served.size_bytes:
-        log.error(
-            "checkpoint %s: %s holds %s bytes, recorded %s", ckpt.id, served.path, stored, served.size_bytes
-        )
-        raise Conflict("the stored checkpoint file no longer matches its record")
+    await check_stored(storage, ckpt.id, served.storage_key, served.size_bytes, "checkpoint file")
     return plan_bytes(
         size=served.size_bytes,
         sha256=served.sha256,

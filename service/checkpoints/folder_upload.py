@@ -41,8 +41,8 @@ import anyio.to_thread
 from service.checkpoints.manifest import ManifestEntry, manifest_sha256, unsafe_path_reason
 from service.checkpoints.recording import record_checkpoint
 from service.checkpoints.service import _key_part
-from service.code.archive import MAX_READ, UnsafeArchive, check_member, open_archive
 from service.code.archive import ArchiveLimits as FolderLimits  # the same limits as code archives (§6)
+from service.code.archive import BoundedReads, UnsafeArchive, check_member, open_archive
 from service.config import Settings
 from service.db import Database
 from service.errors import InvalidSpec
@@ -85,14 +85,8 @@ class StoredFile:
     storage_key: str
 
 
-class _GuardedFile(io.FileIO):
-    """A plain tar read as `service.code.archive` reads a gzip one: no single read past
-    MAX_READ (tarfile reads a pax or long-name header whole, at the size it claims)."""
-
-    def read(self, size: int | None = -1) -> bytes:
-        if size is None or size < 0 or size > MAX_READ:
-            raise UnsafeArchive(None, f"a member header claims more than {MAX_READ} bytes")
-        return super().read(size)
+class _GuardedFile(BoundedReads, io.FileIO):
+    """A plain tar read as `service.code.archive` reads a gzip one: in bounded reads."""
 
 
 @contextlib.contextmanager

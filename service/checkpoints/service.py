@@ -70,6 +70,19 @@ def etag_of(ckpt: Checkpoint) -> str:
     return f'"{ckpt.sha256}"'
 
 
+async def check_stored(storage: Storage, ckpt_id: int, key: str, size: int, what: str) -> None:
+    """The stored object is there (else 404) and still the recorded size (else 409, `what`
+    naming the checkpoint or its file): a download never streams bytes it cannot vouch for."""
+    try:
+        stored = await anyio.to_thread.run_sync(storage.size, key)
+    except FileNotFoundError:
+        log.error("checkpoint %s: %s is missing from storage", ckpt_id, key)
+        raise NotFound("checkpoint data") from None
+    if stored != size:
+        log.error("checkpoint %s: %s holds %s bytes, recorded %s", ckpt_id, key, stored, size)
+        raise Conflict(f"the stored {what} no longer matches its record")
+
+
 async def plan_download(
     storage: Storage,
     ckpt: Checkpoint,
@@ -83,14 +96,7 @@ async def plan_download(
     Raises RangeNotSatisfiable (416) for a range that starts past the end, NotFound when the
     stored bytes are gone, Conflict when they no longer match the record.
     """
-    try:
-        stored = await anyio.to_thread.run_sync(storage.size, ckpt.storage_key)
-    except FileNotFoundError:
-        log.error("checkpoint %s: %s is missing from storage", ckpt.id, ckpt.storage_key)
-        raise NotFound("checkpoint data") from None
-    if stored != ckpt.size_bytes:
-        log.error("checkpoint %s: storage holds %s bytes, recorded %s", ckpt.id, stored, ckpt.size_bytes)
-        raise Conflict("the stored checkpoint no longer matches its record")
+    await check_stored(storage, ckpt.id, ckpt.storage_key, ckpt.size_bytes, "checkpoint")
     return plan_bytes(
         size=ckpt.size_bytes,
         sha256=ckpt.sha256,

@@ -45,15 +45,19 @@ class UnsafeArchive(Exception):
         self.member, self.reason = member, reason
 
 
-class _Inflating(gzip.GzipFile):
-    """The decompressed stream, refusing any one read past MAX_READ. tarfile reads a pax or
+class BoundedReads:
+    """Refuses any one read past MAX_READ, whole-stream reads included. tarfile reads a pax or
     long-name header whole, at the size the header itself claims; file data it reads (or skips)
-    in small blocks."""
+    in small blocks. Mixed into the stream a tar is read from (before the stream's class)."""
 
     def read(self, size: int | None = -1) -> bytes:
         if size is None or size < 0 or size > MAX_READ:
             raise UnsafeArchive(None, f"a member header claims more than {MAX_READ} bytes")
-        return super().read(size)
+        return super().read(size)  # type: ignore[misc]  # the stream class mixed in after this one
+
+
+class _Inflating(BoundedReads, gzip.GzipFile):
+    """The decompressed stream of a gzip tar, in bounded reads."""
 
 
 @contextlib.contextmanager
