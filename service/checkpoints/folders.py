@@ -22,16 +22,16 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from service.checkpoints import repository as repo
 from service.checkpoints.manifest import manifest_of
 from service.checkpoints.recording import record_checkpoint, retain, unreferenced_in
 from service.db import Database
 from service.jobs import repository as jobs_repo
 from service.jobs.reports import touch_report
 from service.jobs.states import lock_job
-from service.models import Checkpoint, CheckpointFile, CheckpointLook, CheckpointPart, NodeRun
+from service.models import Checkpoint, CheckpointFile, CheckpointLook, CheckpointPart
 from service.models.base import utcnow
 from service.nodes.values import NodeKey
 from service.states import NodeState
@@ -57,7 +57,7 @@ def part_horizon(db: Database) -> int:
     """The newest part id: a node reads it before it looks, so its look counts for every part
     begun before (`note_look`)."""
     with db.read() as session:
-        return int(session.execute(select(func.coalesce(func.max(CheckpointPart.id), 0))).scalar_one())
+        return repo.newest_part_id(session)
 
 
 def store_part(
@@ -87,9 +87,7 @@ def store_part(
             prefix=prefix,
             files=[],
         )
-        session.add(part)
-        session.flush()
-        part_id = part.id
+        part_id = repo.add_part(session, part).id
     try:
         stored = [_store_file(storage, prefix, sig, open_file) for sig in files]
     except BaseException:
@@ -97,23 +95,13 @@ def store_part(
         raise
     superseded: list[int] = []
     with db.transaction() as session:
-        row = session.get(CheckpointPart, part_id)
+        row = repo.part(session, part_id)
         if row is None:  # its attempt ended and was cleaned meanwhile: nothing of it stays
             _delete_prefix(storage, prefix)
             return None
         row.phase, row.files, row.stored_at = "stored", [list(f) for f in stored], utcnow()
         if key.node_rank > 0:  # another node's newer part of the name replaces the older one
-            superseded = list(
-                session.execute(
-                    select(CheckpointPart.id).where(
-                        CheckpointPart.job_id == key.job_id,
-                        CheckpointPart.attempt == key.attempt,
-                        CheckpointPart.node_rank == key.node_rank,
-                        CheckpointPart.name == name,
-                        CheckpointPart.id != part_id,
-                    )
-                ).scalars()
-            )
+            superseded = repo.other_part_ids(session, row)
     _drop_parts(db, storage, superseded)
     return part_id
 
@@ -138,10 +126,10 @@ def note_look(db: Database, key: NodeKey, horizon: int, busy: Sequence[str]) -> 
     """This node looked at its checkpoint folder (having read `horizon` first): `busy` are the
     names it holds whose current form is not stored yet."""
     with db.transaction() as session:
-        row = session.get(CheckpointLook, (key.job_id, key.attempt, key.node_rank))
+        row = repo.look(session, key.job_id, key.attempt, key.node_rank)
         if row is None:
             row = CheckpointLook(job_id=key.job_id, attempt=key.attempt, node_rank=key.node_rank)
-            session.add(row)
+            repo.add_look(session, row)
         row.looked_at, row.horizon, row.busy = utcnow(), horizon, list(busy[:1000])
 
 
@@ -152,7 +140,7 @@ def try_list(
     stored (or absent); None while one is not (try again later), or when the job is gone."""
     with db.transaction() as session:
         job = lock_job(session, key.job_id)
-        lead = session.get(CheckpointPart, part_id)
+        lead = repo.part(session, part_id)
         if job is None or lead is None or lead.phase != "stored":
             return None
         parts = _others_ready(session, lead, nnodes)
@@ -169,28 +157,12 @@ def try_list(
 def _others_ready(session: Session, lead: CheckpointPart, nnodes: int) -> list[CheckpointPart] | None:
     """Every other node's stored part of the name (none where it has none), or None while one
     has not looked since `lead` was begun, or still holds the name unstored."""
-    looks = {
-        row.node_rank: row
-        for row in session.execute(
-            select(CheckpointLook).where(
-                CheckpointLook.job_id == lead.job_id, CheckpointLook.attempt == lead.attempt
-            )
-        ).scalars()
-    }
+    looks = {row.node_rank: row for row in repo.looks_of(session, lead.job_id, lead.attempt)}
     for rank in range(1, nnodes):
         look = looks.get(rank)
         if look is None or look.horizon < lead.id or lead.name in look.busy:
             return None
-    parts = session.execute(
-        select(CheckpointPart)
-        .where(
-            CheckpointPart.job_id == lead.job_id,
-            CheckpointPart.attempt == lead.attempt,
-            CheckpointPart.name == lead.name,
-            CheckpointPart.node_rank > 0,
-        )
-        .order_by(CheckpointPart.node_rank, CheckpointPart.id.desc())
-    ).scalars()
+    parts = repo.later_nodes_parts(session, lead)
     newest: dict[int, CheckpointPart] = {}
     for part in parts:
         if part.phase != "stored":
@@ -246,23 +218,11 @@ def end_node(db: Database, storage: Storage, key: NodeKey) -> None:
 
 def _end_node(db: Database, storage: Storage, key: NodeKey) -> None:
     with db.transaction() as session:
-        states = session.execute(
-            select(NodeRun.state).where(NodeRun.job_id == key.job_id, NodeRun.attempt == key.attempt)
-        ).scalars()
+        states = jobs_repo.node_states(session, key.job_id, key.attempt)
         if any(state not in NODE_ENDED for state in states):
             return
-        ids = list(
-            session.execute(
-                select(CheckpointPart.id).where(
-                    CheckpointPart.job_id == key.job_id, CheckpointPart.attempt <= key.attempt
-                )
-            ).scalars()
-        )
-        session.execute(
-            delete(CheckpointLook).where(
-                CheckpointLook.job_id == key.job_id, CheckpointLook.attempt <= key.attempt
-            )
-        )
+        ids = repo.part_ids_up_to(session, key.job_id, key.attempt)
+        repo.delete_looks_up_to(session, key.job_id, key.attempt)
     _drop_parts(db, storage, ids)
 
 
@@ -271,7 +231,7 @@ def _drop_parts(db: Database, storage: Storage, part_ids: Sequence[int]) -> None
     if not part_ids:
         return
     with db.transaction() as session:
-        rows = session.execute(select(CheckpointPart).where(CheckpointPart.id.in_(part_ids))).scalars().all()
+        rows = repo.parts_by_ids(session, part_ids)
         prefixes = [row.prefix for row in rows]
         for row in rows:
             session.delete(row)
@@ -299,13 +259,11 @@ def resume_layout(db: Database, ckpt_id: int) -> tuple[str, str, list[StoredFile
     """(name, kind, files) of the checkpoint a node resumes from: a folder's every file with its
     storage key, for staging (contract §11); None when it is gone."""
     with db.read() as session:
-        ckpt = session.get(Checkpoint, ckpt_id)
+        ckpt = repo.by_id(session, ckpt_id)
         if ckpt is None:
             return None
         if ckpt.kind != "folder":
             return ckpt.name, ckpt.kind, []
-        rows = session.execute(
-            select(CheckpointFile).where(CheckpointFile.checkpoint_id == ckpt_id)
-        ).scalars()
+        rows = repo.files_of(session, ckpt_id)
         files = [(f.path, f.size_bytes, f.sha256, f.storage_key) for f in rows]
     return ckpt.name, "folder", files

@@ -12,7 +12,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from service.checkpoints import repository as repo
@@ -21,7 +20,7 @@ from service.errors import Conflict, NotFound
 from service.jobs import repository as jobs_repo
 from service.jobs.reports import touch_report
 from service.jobs.states import append_event
-from service.models import Checkpoint, CheckpointFile, CheckpointPart, Job, User
+from service.models import Checkpoint, User
 from service.nodes.values import NodeKey
 from service.schemas import checkpoint_out
 from service.states import JobState
@@ -114,7 +113,7 @@ def enforce_retention(db: Database, storage: Storage, job_id: int, keep_last: in
         for ckpt in repo.retention_candidates(session, job_id, keep_last):
             keys = object_keys(session, ckpt)
             if repo.delete_unreferenced(session, ckpt):
-                session.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == ckpt.id))
+                repo.delete_files_of(session, ckpt.id)
                 deleted.append((ckpt.id, keys))
         deleted = [(i, unreferenced_in(session, keys)) for i, keys in deleted]
     for ckpt_id, keys in deleted:
@@ -128,28 +127,14 @@ def object_keys(session: Session, ckpt: Checkpoint) -> list[str]:
     """Every object a checkpoint holds: its file's, or each file's of a folder (contract §11)."""
     if ckpt.kind != "folder":
         return [ckpt.storage_key]
-    return list(
-        session.execute(select(CheckpointFile.storage_key).where(CheckpointFile.checkpoint_id == ckpt.id))
-        .scalars()
-        .all()
-    )
+    return repo.file_keys_of(session, ckpt.id)
 
 
 def unreferenced_in(session: Session, keys: Sequence[str]) -> list[str]:
     """Those of `keys` that no listed checkpoint's file holds, nor a folder part still waiting
     (another node's stored part may go into the next checkpoint of its name)."""
-    held: set[str] = set()
-    for i in range(0, len(keys), 500):
-        held.update(
-            session.execute(
-                select(CheckpointFile.storage_key).where(
-                    CheckpointFile.storage_key.in_(list(keys[i : i + 500]))
-                )
-            )
-            .scalars()
-            .all()
-        )
-    prefixes = list(session.execute(select(CheckpointPart.prefix)).scalars().all()) if keys else []
+    held = repo.held_keys(session, keys)
+    prefixes = repo.part_prefixes(session) if keys else []
     return [k for k in keys if k not in held and not any(k.startswith(p) for p in prefixes)]
 
 
@@ -176,28 +161,17 @@ def delete_checkpoint(db: Database, storage: Storage, user: User, ckpt_id: int) 
         if _needed(session, ckpt):
             raise Conflict(f"checkpoint {ckpt_id}: a queued or running job will resume from it")
         keys = object_keys(session, ckpt)
-        session.execute(
-            update(Job)
-            .where(Job.resume_checkpoint_id == ckpt.id)
-            .values(resume_checkpoint_id=None)
-            .execution_options(synchronize_session=False)
-        )
-        session.execute(delete(CheckpointFile).where(CheckpointFile.checkpoint_id == ckpt.id))
-        session.execute(delete(Checkpoint).where(Checkpoint.id == ckpt.id))
+        repo.unlink_resumers(session, ckpt.id)
+        repo.delete_files_of(session, ckpt.id)
+        repo.delete_row(session, ckpt.id)
         keys = unreferenced_in(session, keys)
     delete_objects(storage, keys, ckpt_id)
 
 
 def _needed(session: Session, ckpt: Checkpoint) -> bool:
-    named = session.execute(
-        select(Job.id)
-        .where(Job.resume_checkpoint_id == ckpt.id, Job.state.in_(WILL_RESUME))
-        .limit(1)
-        .with_for_update()
-    ).scalar_one_or_none()
-    if named is not None:
+    if repo.lock_resumer(session, ckpt.id, WILL_RESUME) is not None:
         return True
     if ckpt.job_id is None:
         return False
-    own = session.execute(select(Job.state).where(Job.id == ckpt.job_id)).scalar_one_or_none()
+    own = jobs_repo.state_of(session, ckpt.job_id)
     return own in WILL_RESUME and repo.latest_id_of_job(session, ckpt.job_id) == ckpt.id

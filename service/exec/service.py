@@ -20,14 +20,14 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.auth.tokens import user_for_token
 from service.db import Database
+from service.hosts import repository as hosts_repo
 from service.jobs import repository as jobs_repo
 from service.jobs.states import append_event
-from service.models import Job, NodeRun, User, Worker
+from service.models import Job, User, Worker
 from service.nodes import exec_link
 from service.schemas import MAX_ID
 from service.states import JobState, NodeState
@@ -179,14 +179,10 @@ def authorise(db: Database, token: str | None, raw_id: str, op: str, params: Map
 
 
 def _worker_of(session: Session, job: Job, node_rank: int) -> Worker:
-    run = session.execute(
-        select(NodeRun).where(
-            NodeRun.job_id == job.id, NodeRun.attempt == job.attempt, NodeRun.node_rank == node_rank
-        )
-    ).scalar_one_or_none()
+    run = jobs_repo.node_run(session, job.id, job.attempt, node_rank)
     if run is None or run.state != NodeState.RUNNING:
         raise Refusal(400, f"node {node_rank} of job {job.id} is not running yet")
-    worker = session.get(Worker, run.worker_name)
+    worker = hosts_repo.worker(session, run.worker_name)
     if worker is None or not worker.exec_address or not worker.exec_secret:
         raise Refusal(400, f"the worker of node {node_rank} has no exec endpoint (see its log)")
     return worker

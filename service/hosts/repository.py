@@ -65,6 +65,16 @@ def reset_failures(session: Session, name: str) -> None:
     )
 
 
+def set_exec_endpoint(session: Session, name: str, session_id: str, address: str, secret: str) -> None:
+    """The worker process's exec endpoint and secret on its row, only while the row is still that
+    process's (`session_id`): a restarted worker's row is not overwritten by its predecessor."""
+    session.execute(
+        update(Worker)
+        .where(Worker.name == name, Worker.session == session_id)
+        .values(exec_address=address, exec_secret=secret)
+    )
+
+
 def online_workers(session: Session) -> Sequence[Worker]:
     return session.execute(select(Worker).where(Worker.state == WorkerState.ONLINE)).scalars().all()
 

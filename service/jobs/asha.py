@@ -32,12 +32,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
+from service.jobs import repository as repo
 from service.jobs.states import append_event, lock_job
-from service.models import Job, MetricPoint, SweepRung
-from service.states import JOB_TERMINAL, SWEEP, JobState
+from service.models import Job
+from service.states import JOB_TERMINAL, SWEEP
 
 log = logging.getLogger("torchjobs.sweeps")
 
@@ -103,9 +103,7 @@ def review_sweeps(session: Session) -> int:
     """Every live sweep with an objective: its best, and the rungs of children whose reports
     passed one not yet recorded. Parents are locked only where something is to be done.
     Returns how many parents changed."""
-    rows = session.execute(
-        select(Job.id, Job.sweep).where(Job.kind == SWEEP, Job.state == JobState.RUNNING)
-    ).all()
+    rows = repo.running_sweep_specs(session)
     changed = 0
     for row in rows:
         objective = (row.sweep or {}).get("objective")
@@ -128,21 +126,8 @@ def _children_behind(session: Session, parent_id: int, asha: Asha | None) -> lis
     value at yet."""
     if asha is None:
         return []
-    recorded = func.count(SweepRung.rung)
-    rows = session.execute(
-        select(SweepRung.child_id, recorded)
-        .where(SweepRung.parent_id == parent_id)
-        .group_by(SweepRung.child_id)
-    ).all()
-    done = {int(child_id): int(n) for child_id, n in rows}
-    children = session.execute(
-        select(Job.id, Job.objective_epoch, Job.hyperparameters).where(
-            Job.parent_id == parent_id,
-            Job.state.not_in(list(JOB_TERMINAL)),
-            Job.stop_intent.is_(None),
-            Job.objective_epoch.is_not(None),
-        )
-    ).all()
+    done = repo.rungs_recorded(session, parent_id)
+    children = repo.reporting_children(session, parent_id)
     out = []
     for child in children:
         reached = asha.rungs_below(int(child.objective_epoch), _epochs(child.hyperparameters))
@@ -158,55 +143,22 @@ def review_child(session: Session, parent: Job, child_id: int) -> bool:
     if asha is None or parent.sweep is None:
         return False
     mode = parent.sweep["objective"]["mode"]
-    child = session.execute(
-        select(Job.id, Job.hyperparameters, Job.stop_intent, Job.state).where(
-            Job.id == child_id, Job.parent_id == parent.id
-        )
-    ).one_or_none()
+    child = repo.sweep_child(session, parent.id, child_id)
     if child is None or child.stop_intent is not None or child.state in JOB_TERMINAL:
         return False
-    last_epoch = session.execute(
-        select(func.max(MetricPoint.epoch)).where(
-            MetricPoint.job_id == child_id, MetricPoint.objective.is_not(None)
-        )
-    ).scalar()
+    last_epoch = repo.last_objective_epoch(session, child_id)
     if last_epoch is None:
         return False
-    recorded = set(
-        session.execute(
-            select(SweepRung.rung).where(SweepRung.parent_id == parent.id, SweepRung.child_id == child_id)
-        ).scalars()
-    )
+    recorded = repo.child_rungs(session, parent.id, child_id)
     for k, at in asha.rungs_below(int(last_epoch), _epochs(child.hyperparameters)):
         if k in recorded:
             continue
-        point = session.execute(
-            select(MetricPoint.epoch, MetricPoint.objective)
-            .where(
-                MetricPoint.job_id == child_id,
-                MetricPoint.objective.is_not(None),
-                MetricPoint.epoch >= at,
-            )
-            .order_by(MetricPoint.seq)
-            .limit(1)
-        ).one()
+        point = repo.first_objective_at(session, child_id, at)
         value = float(point.objective)
-        others = list(
-            session.execute(
-                select(SweepRung.value).where(SweepRung.parent_id == parent.id, SweepRung.rung == k)
-            ).scalars()
-        )
+        others = repo.rung_values(session, parent.id, k)
         going = keeps_going(value, [*others, value], mode, asha.reduction_factor)
-        session.execute(
-            insert(SweepRung).values(
-                parent_id=parent.id,
-                rung=k,
-                child_id=child_id,
-                epoch=int(point.epoch),
-                value=value,
-                verdict="continue" if going else "stop",
-            )
-        )
+        verdict = "continue" if going else "stop"
+        repo.add_rung(session, parent.id, k, child_id, int(point.epoch), value, verdict)
         if not going:
             return stop_child(session, parent.id, child_id, k, int(point.epoch), value, len(others) + 1)
     return False
@@ -240,14 +192,7 @@ def stop_child(
 
 
 def _best_of(session: Session, parent_id: int, objective: dict[str, Any]) -> dict[str, Any] | None:
-    value = Job.objective_value
-    order = value.asc() if objective.get("mode") == "min" else value.desc()
-    row = session.execute(
-        select(Job.id, Job.sweep_point, value)
-        .where(Job.parent_id == parent_id, value.is_not(None))
-        .order_by(order, Job.id)
-        .limit(1)
-    ).one_or_none()
+    row = repo.best_child(session, parent_id, minimise=objective.get("mode") == "min")
     if row is None:
         return None
     return {"job_id": row.id, "point": row.sweep_point, "value": row.objective_value}

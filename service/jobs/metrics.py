@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Text, cast, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from service.jobs import repository as repo
-from service.models import Job, MetricName, MetricPoint, utcnow
+from service.models import utcnow
 
 NOT_SERIES = frozenset({"step", "epoch", "fraction", "reported_at", "ts", "type"})  # a point's own
 MAX_NAMES_PER_JOB = 1000  # past it a job's new names are not kept (its known ones still are)
@@ -84,9 +83,7 @@ def record(
 ) -> Recorded:
     """The points of `events` (progress events numbered from `first_seq`), in the caller's
     transaction, which holds the job's row lock."""
-    job = session.execute(
-        select(Job.parent_id, Job.objective, Job.stop_intent).where(Job.id == job_id)
-    ).one_or_none()
+    job = repo.objective_facts(session, job_id)
     if job is None:
         return Recorded(None, False, None)
     metric = (job.objective or {}).get("metric")
@@ -117,33 +114,23 @@ def record(
         )
     if not rows:
         return Recorded(job.parent_id, False, job.stop_intent)
-    session.execute(insert(MetricPoint), rows)
+    repo.add_metric_points(session, rows)
     _add_names(session, job_id, names)
     if last_objective is not None:
-        value, epoch = last_objective
-        session.execute(
-            update(Job)
-            .where(Job.id == job_id)
-            .values(objective_value=value, objective_epoch=epoch)
-            .execution_options(synchronize_session=False)
-        )
+        repo.set_objective_value(session, job_id, *last_objective)
     return Recorded(job.parent_id, last_objective is not None, job.stop_intent)
 
 
 def _add_names(session: Session, job_id: int, names: set[str]) -> None:
     """Only the names the job has not reported before (under its row lock: no race)."""
-    known = set(session.execute(select(MetricName.name).where(MetricName.job_id == job_id)).scalars())
+    known = repo.known_metric_names(session, job_id)
     fresh = sorted(names - known)[: max(0, MAX_NAMES_PER_JOB - len(known))]
     if fresh:
-        session.execute(insert(MetricName), [{"job_id": job_id, "name": n} for n in fresh])
+        repo.add_metric_names(session, job_id, fresh)
 
 
 def job_names(session: Session, job_id: int) -> list[str]:
-    return list(
-        session.execute(
-            select(MetricName.name).where(MetricName.job_id == job_id).order_by(MetricName.name)
-        ).scalars()
-    )
+    return repo.metric_names(session, job_id)
 
 
 def parse_names(raw: str | None) -> list[str] | None:
@@ -166,11 +153,7 @@ def series_json(session: Session, job_id: int, names: list[str] | None) -> bytes
     wanted = None if names is None else [n for n in names if n in known]
     head = json.dumps({"names": all_names}, separators=(",", ":"))[:-1]
     if wanted is None or len(wanted) > MAX_EXTRACTED or not all(map(_plain, wanted)):
-        rows = session.execute(
-            select(MetricPoint.step, MetricPoint.epoch, MetricPoint.ts, cast(MetricPoint.values, Text))
-            .where(MetricPoint.job_id == job_id)
-            .order_by(MetricPoint.seq)
-        )
+        rows = repo.metric_points_as_text(session, job_id)
         points = ((r[0], r[1], r[2], r[3]) for r in rows)
         parts = _spliced(points) if wanted is None else _filtered(points, wanted)
     else:
@@ -232,13 +215,8 @@ def _spliced(rows: Iterable[tuple[int | None, int | None, datetime, str]]) -> It
 def _extracted(session: Session, job_id: int, wanted: list[str]) -> Iterable[str]:
     if not wanted:
         return
-    columns = [MetricPoint.values[name].as_float() for name in wanted]
     keys = [json.dumps(name) + ":" for name in wanted]
-    rows = session.execute(
-        select(MetricPoint.step, MetricPoint.epoch, MetricPoint.ts, *columns)
-        .where(MetricPoint.job_id == job_id, or_(*(c.is_not(None) for c in columns)))
-        .order_by(MetricPoint.seq)
-    )
+    rows = repo.extracted_metric_points(session, job_id, wanted)
     for row in rows:
         picked = ",".join(key + repr(float(v)) for key, v in zip(keys, row[3:], strict=True) if v is not None)
         yield _point_head(row[0], row[1], row[2]) + "," + picked + "}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.jobs import repository as repo
@@ -75,8 +74,7 @@ def settle(session: Session, job: Job) -> None:
 
 def stopping_jobs(session: Session) -> list[Job]:
     """Jobs whose attempt is being stopped, for the reaper's look at those whose nodes all ended."""
-    query = select(Job).where(Job.preempting_since.is_not(None), Job.state.in_((SCHEDULED, RUNNING)))
-    return list(session.execute(query).scalars())
+    return repo.stopping_jobs(session)
 
 
 def redact(session: Session, viewer: User | None, job_id: int, items: list[EventOut]) -> list[EventOut]:
@@ -87,8 +85,7 @@ def redact(session: Session, viewer: User | None, job_id: int, items: list[Event
     if not hidden or (viewer is not None and viewer.is_admin):
         return items
     preemptors = {e.data["by_job"] for e in hidden}
-    query = select(Job.id, Job.owner_id).where(Job.id.in_(preemptors | {job_id}))
-    owners: dict[int, int] = {r.id: r.owner_id for r in session.execute(query)}
+    owners = repo.owner_ids(session, preemptors | {job_id})
     viewer_id = viewer.id if viewer is not None else owners.get(job_id)
     for event in hidden:
         if owners.get(event.data["by_job"]) != viewer_id:

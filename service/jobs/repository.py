@@ -1,6 +1,6 @@
-"""All SQL about jobs, their events, attempts, node runs, dependencies and sweeps, but the
-writers that keep theirs next to a lock or a state gate (`service.jobs.states`,
-`service.scheduler.placement_pass`: ARCHITECTURE.md names them)."""
+"""All SQL about jobs, their events, attempts, node runs, dependencies, sweeps (their rungs
+included) and metric series, but the writers that keep theirs next to a lock or a state gate
+(`service.jobs.states`, `service.scheduler.placement_pass`: ARCHITECTURE.md names them)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,38 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Row, Select, and_, bindparam, case, func, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Result,
+    Row,
+    Select,
+    Text,
+    and_,
+    bindparam,
+    case,
+    cast,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.orm import Session
 
-from service.models import Checkpoint, Job, JobAttempt, JobDependency, JobEvent, LogChunk, NodeRun, User
-from service.states import JOB_ACTIVE, NODE_ACTIVE, SWEEP, JobState, NodeState
+from service.models import (
+    Checkpoint,
+    Job,
+    JobAttempt,
+    JobDependency,
+    JobEvent,
+    LogChunk,
+    MetricName,
+    MetricPoint,
+    NodeRun,
+    SweepRung,
+    User,
+)
+from service.states import JOB_ACTIVE, JOB_TERMINAL, NODE_ACTIVE, SWEEP, JobState, NodeState
 
 # The statements of the job view (GET /v1/jobs/{id}, the busiest route) are built once, with
 # bind parameters: building a select() per request cost more than compiling it (SQLAlchemy
@@ -219,6 +246,11 @@ def owner_of(session: Session, job_id: int) -> int | None:
     return session.execute(select(Job.owner_id).where(Job.id == job_id)).scalar_one_or_none()
 
 
+def state_of(session: Session, job_id: int) -> str | None:
+    """The job's state alone (None: no such job), without loading its row."""
+    return session.execute(select(Job.state).where(Job.id == job_id)).scalar_one_or_none()
+
+
 def visible_job_id(session: Session, job_id: int | None, owner_id: int | None) -> int | None:
     """The job's id when it exists and is `owner_id`'s (None: any owner's, the admin's view)."""
     clause = [] if owner_id is None else [Job.owner_id == owner_id]
@@ -317,6 +349,15 @@ def runs_of(session: Session, job_id: int, attempt: int) -> Sequence[NodeRun]:
         )
         .scalars()
         .all()
+    )
+
+
+def node_states(session: Session, job_id: int, attempt: int) -> list[str]:
+    """The state of each node of the attempt, in no order: whether every one has ended."""
+    return list(
+        session.execute(
+            select(NodeRun.state).where(NodeRun.job_id == job_id, NodeRun.attempt == attempt)
+        ).scalars()
     )
 
 
@@ -506,3 +547,201 @@ def master_ports(session: Session) -> Sequence[Row[str, int | None]]:
 def set_pending_reasons(session: Session, changed: list[dict[str, Any]]) -> None:
     """One bulk UPDATE by primary key: `changed` is [{"id": .., "pending_reason": ..}]."""
     session.execute(update(Job), changed)
+
+
+# -- preemption (contract §12) -------------------------------------------------------------------
+
+
+def stopping_jobs(session: Session) -> list[Job]:
+    """Scheduled or running jobs whose attempt is being stopped: the reaper looks at whether
+    their nodes have all ended."""
+    query = select(Job).where(
+        Job.preempting_since.is_not(None), Job.state.in_((JobState.SCHEDULED, JobState.RUNNING))
+    )
+    return list(session.execute(query).scalars())
+
+
+def owner_ids(session: Session, job_ids: set[int]) -> dict[int, int]:
+    """{job id: owner id} of these jobs that exist: who may see a preemptor's id."""
+    query = select(Job.id, Job.owner_id).where(Job.id.in_(job_ids))
+    return {r.id: r.owner_id for r in session.execute(query)}
+
+
+# -- metric series (contract §13), written under the job's row lock that the report took ------
+
+
+def objective_facts(
+    session: Session, job_id: int
+) -> Row[int | None, dict[str, Any] | None, str | None] | None:
+    """(parent_id, objective, stop_intent): what a report's metrics are recorded against."""
+    return session.execute(
+        select(Job.parent_id, Job.objective, Job.stop_intent).where(Job.id == job_id)
+    ).one_or_none()
+
+
+def add_metric_points(session: Session, rows: list[dict[str, Any]]) -> None:
+    """One bulk INSERT (executemany): a batch's points, as `metric_points` column dicts."""
+    session.execute(insert(MetricPoint), rows)
+
+
+def set_objective_value(session: Session, job_id: int, value: float, epoch: int | None) -> None:
+    """A sweep child's last objective onto its own row, where the sweep's best is read from;
+    `synchronize_session=False`: the session's copy of the job is not refreshed (none reads it)."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id)
+        .values(objective_value=value, objective_epoch=epoch)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def known_metric_names(session: Session, job_id: int) -> set[str]:
+    """The job's names, unordered: only a new name is inserted."""
+    return set(session.execute(select(MetricName.name).where(MetricName.job_id == job_id)).scalars())
+
+
+def add_metric_names(session: Session, job_id: int, names: list[str]) -> None:
+    session.execute(insert(MetricName), [{"job_id": job_id, "name": n} for n in names])
+
+
+def metric_names(session: Session, job_id: int) -> list[str]:
+    """The job's names, sorted: the series answer lists them so."""
+    return list(
+        session.execute(
+            select(MetricName.name).where(MetricName.job_id == job_id).order_by(MetricName.name)
+        ).scalars()
+    )
+
+
+def metric_points_as_text(session: Session, job_id: int) -> Result[int | None, int | None, datetime, str]:
+    """(step, epoch, ts, values as JSON text) of each point in report order, as a result that
+    is iterated, not a list: the stored JSON is spliced into the answer, never parsed."""
+    return session.execute(
+        select(MetricPoint.step, MetricPoint.epoch, MetricPoint.ts, cast(MetricPoint.values, Text))
+        .where(MetricPoint.job_id == job_id)
+        .order_by(MetricPoint.seq)
+    )
+
+
+def extracted_metric_points(session: Session, job_id: int, names: list[str]) -> Result[*tuple[Any, ...]]:
+    """(step, epoch, ts, value of each name...) of the points holding one of `names`, in report
+    order: the database picks the values out of each point's JSON (`->>`, `json_extract`)."""
+    columns = [MetricPoint.values[name].as_float() for name in names]
+    return session.execute(
+        select(MetricPoint.step, MetricPoint.epoch, MetricPoint.ts, *columns)
+        .where(MetricPoint.job_id == job_id, or_(*(c.is_not(None) for c in columns)))
+        .order_by(MetricPoint.seq)
+    )
+
+
+# -- a sweep's objective and its rungs (ASHA, contract §13) -------------------------------------
+
+
+def running_sweep_specs(session: Session) -> Sequence[Row[int, dict[str, Any] | None]]:
+    """(id, sweep) of every running sweep parent: the scheduler pass reviews each."""
+    return session.execute(
+        select(Job.id, Job.sweep).where(Job.kind == SWEEP, Job.state == JobState.RUNNING)
+    ).all()
+
+
+def rungs_recorded(session: Session, parent_id: int) -> dict[int, int]:
+    """{child id: how many rungs it has a value at} for the sweep's children."""
+    rows = session.execute(
+        select(SweepRung.child_id, func.count(SweepRung.rung))
+        .where(SweepRung.parent_id == parent_id)
+        .group_by(SweepRung.child_id)
+    ).all()
+    return {int(child_id): int(n) for child_id, n in rows}
+
+
+def reporting_children(
+    session: Session, parent_id: int
+) -> Sequence[Row[int, int | None, dict[str, Any] | None]]:
+    """(id, objective_epoch, hyperparameters) of the children not ended nor stopped that have
+    reported their objective: the only ones that may have reached a rung."""
+    return session.execute(
+        select(Job.id, Job.objective_epoch, Job.hyperparameters).where(
+            Job.parent_id == parent_id,
+            Job.state.not_in(list(JOB_TERMINAL)),
+            Job.stop_intent.is_(None),
+            Job.objective_epoch.is_not(None),
+        )
+    ).all()
+
+
+def sweep_child(
+    session: Session, parent_id: int, child_id: int
+) -> Row[int, dict[str, Any] | None, str | None, str] | None:
+    """(id, hyperparameters, stop_intent, state) of the child, None unless it is this parent's."""
+    return session.execute(
+        select(Job.id, Job.hyperparameters, Job.stop_intent, Job.state).where(
+            Job.id == child_id, Job.parent_id == parent_id
+        )
+    ).one_or_none()
+
+
+def last_objective_epoch(session: Session, job_id: int) -> int | None:
+    """The highest epoch at which the job reported its objective: how far up the rungs it got."""
+    return session.execute(
+        select(func.max(MetricPoint.epoch)).where(
+            MetricPoint.job_id == job_id, MetricPoint.objective.is_not(None)
+        )
+    ).scalar()
+
+
+def child_rungs(session: Session, parent_id: int, child_id: int) -> set[int]:
+    """The rungs the child has a value at: each is recorded once (a retry does not vote twice)."""
+    return set(
+        session.execute(
+            select(SweepRung.rung).where(SweepRung.parent_id == parent_id, SweepRung.child_id == child_id)
+        ).scalars()
+    )
+
+
+def first_objective_at(session: Session, job_id: int, epoch: int) -> Row[int | None, float | None]:
+    """(epoch, objective) of the job's first report of its objective at `epoch` or later: the
+    value it completed that rung with (the caller knows one exists)."""
+    return session.execute(
+        select(MetricPoint.epoch, MetricPoint.objective)
+        .where(
+            MetricPoint.job_id == job_id,
+            MetricPoint.objective.is_not(None),
+            MetricPoint.epoch >= epoch,
+        )
+        .order_by(MetricPoint.seq)
+        .limit(1)
+    ).one()
+
+
+def rung_values(session: Session, parent_id: int, rung: int) -> list[float]:
+    """Every value recorded at the sweep's rung so far: what a new one is compared with."""
+    return list(
+        session.execute(
+            select(SweepRung.value).where(SweepRung.parent_id == parent_id, SweepRung.rung == rung)
+        ).scalars()
+    )
+
+
+def add_rung(
+    session: Session, parent_id: int, rung: int, child_id: int, epoch: int, value: float, verdict: str
+) -> None:
+    """The child's value at the rung and its verdict (the caller holds the parent's row lock)."""
+    session.execute(
+        insert(SweepRung).values(
+            parent_id=parent_id, rung=rung, child_id=child_id, epoch=epoch, value=value, verdict=verdict
+        )
+    )
+
+
+def best_child(
+    session: Session, parent_id: int, minimise: bool
+) -> Row[int, dict[str, Any] | None, float | None] | None:
+    """(id, sweep_point, objective_value) of the child with the best last value (ties: the
+    lowest id), through the (parent_id, objective_value) index."""
+    value = Job.objective_value
+    return session.execute(
+        select(Job.id, Job.sweep_point, value)
+        .where(Job.parent_id == parent_id, value.is_not(None))
+        .order_by(value.asc() if minimise else value.desc(), Job.id)
+        .limit(1)
+    ).one_or_none()

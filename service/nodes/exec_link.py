@@ -27,10 +27,9 @@ import secrets
 import struct
 from typing import Any
 
-from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service.models import Worker
+from service.hosts import repository as hosts_repo
 
 GREETING = b"TJX1 "
 MAX_LINE = 256 * 1024  # a request line (argv, environment-free) is far smaller
@@ -86,8 +85,4 @@ def frame(kind: int, payload: bytes = b"") -> bytes:
 
 def publish_endpoint(session: Session, name: str, session_id: str, address: str, secret: str) -> None:
     """The worker process's endpoint and secret, on its own row (a restart replaces both)."""
-    session.execute(
-        update(Worker)
-        .where(Worker.name == name, Worker.session == session_id)
-        .values(exec_address=address, exec_secret=secret)
-    )
+    hosts_repo.set_exec_endpoint(session, name, session_id, address, secret)
