@@ -158,17 +158,35 @@ def _others_ready(session: Session, lead: CheckpointPart, nnodes: int) -> list[C
     """Every other node's stored part of the name (none where it has none), or None while one
     has not looked since `lead` was begun, or still holds the name unstored."""
     looks = {row.node_rank: row for row in repo.looks_of(session, lead.job_id, lead.attempt)}
+    ended = _ended_nodes(session, lead, nnodes)
     for rank in range(1, nnodes):
         look = looks.get(rank)
+        if rank in ended:  # it stored its parts before it ended, and looks no more
+            continue
         if look is None or look.horizon < lead.id or lead.name in look.busy:
             return None
     parts = repo.later_nodes_parts(session, lead)
     newest: dict[int, CheckpointPart] = {}
     for part in parts:
+        if part.phase != "stored" and part.node_rank in ended:
+            continue  # begun and never finished by a node that has ended: it never will be
         if part.phase != "stored":
             return None
         newest.setdefault(part.node_rank, part)
     return [newest[r] for r in sorted(newest)]
+
+
+def _ended_nodes(session: Session, lead: CheckpointPart, nnodes: int) -> set[int]:
+    """The other nodes of the attempt that have succeeded: their ranks exited 0 and each
+    stored its parts and took its last look before it said so (node 0 may save after them,
+    so a look of theirs never covers its last parts). Not a node that was lost or failed: it
+    may never have taken that look, and a listed checkpoint is always whole."""
+    ended = set()
+    for rank in range(1, nnodes):
+        run = jobs_repo.node_run(session, lead.job_id, lead.attempt, rank)
+        if run is not None and run.state == NodeState.SUCCEEDED:
+            ended.add(rank)
+    return ended
 
 
 def _listed(

@@ -497,18 +497,29 @@ class NodeSupervisor:
         self.awaiting = waiting
 
     def _await_listing(self) -> None:
-        """Node 0, its ranks ended: its parts wait (bounded) for the other nodes' final looks."""
+        """Node 0, its ranks ended: its parts wait (bounded) for the other nodes' final looks,
+        and no longer once every other node has ended (a node stores its parts before it
+        reports its end; one lost with its host never will)."""
         hooks = self.hooks.folders
         deadline = time.monotonic() + FOLDER_END_WAIT_S
         while hooks is not None and self.awaiting and time.monotonic() < deadline:
             time.sleep(0.5)
+            peers_gone = self._peers_gone()
             try:
                 self._list_awaiting(hooks)
             except Exception:
                 log.warning("job %s: could not list a folder checkpoint", self.key.job_id, exc_info=True)
+            if peers_gone:
+                break
         if self.awaiting:
             log.warning("job %s: folder checkpoints %s never whole on every node: not listed",
                         self.key.job_id, [n for _, n in self.awaiting])  # fmt: skip
+
+    def _peers_gone(self) -> bool:
+        try:
+            return self.hooks.peers_ended() is not None
+        except Exception:  # the database away a moment: wait on, as before
+            return False
 
     def _record_files(self, final: bool) -> bool:
         """The complete files in the order they were written; on a failure that one and the

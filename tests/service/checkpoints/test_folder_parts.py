@@ -121,6 +121,39 @@ def test_a_node_without_the_folder_counts_as_absent(db: Database, storage: Stora
     assert [p for p, _, _ in listed_files(db, ckpt_id)] == ["trainer_state.json"]
 
 
+def test_a_node_that_succeeded_before_node_0_saved_does_not_hold_the_listing(
+    db: Database, storage: Storage
+) -> None:
+    """Node 1's ranks exit first; node 0 writes its last folder after node 1's last look (its
+    coordinator writes `.metadata` last). Once node 1 has succeeded, its stored parts are all
+    it will ever have: the folder is listed, with node 1's part."""
+    job_id, _ = job_of(db)
+    n0, n1 = (NodeKey(job_id=job_id, attempt=1, node_rank=r) for r in (0, 1))
+    store(db, storage, n1, {"__1_0.distcp": b"s1"}, name="epoch-12")
+    folders.note_look(db, n1, folders.part_horizon(db), [])
+    lead = store(db, storage, n0, {"__0_0.distcp": b"s0", ".metadata": b"m"}, name="epoch-12")
+    assert folders.try_list(db, storage, n0, lead, 2, None) is None  # node 1 runs: it may still look
+    with db.transaction() as s:
+        run = s.execute(select(NodeRun).where(NodeRun.job_id == job_id, NodeRun.node_rank == 1)).scalar_one()
+        assert transition_node(run, "succeeded")
+    ckpt_id = folders.try_list(db, storage, n0, lead, 2, None)
+    assert ckpt_id is not None
+    assert [(p, r) for p, r, _ in listed_files(db, ckpt_id)] == [
+        (".metadata", 0), ("__0_0.distcp", 0), ("__1_0.distcp", 1)
+    ]  # fmt: skip
+
+
+def test_a_lost_node_holds_the_listing_a_part_may_be_missing(db: Database, storage: Storage) -> None:
+    job_id, _ = job_of(db)
+    n0, n1 = (NodeKey(job_id=job_id, attempt=1, node_rank=r) for r in (0, 1))
+    folders.note_look(db, n1, folders.part_horizon(db), [])
+    lead = store(db, storage, n0, {"__0_0.distcp": b"s0", ".metadata": b"m"}, name="epoch-12")
+    with db.transaction() as s:
+        run = s.execute(select(NodeRun).where(NodeRun.job_id == job_id, NodeRun.node_rank == 1)).scalar_one()
+        assert transition_node(run, "lost", error="worker lost")
+    assert folders.try_list(db, storage, n0, lead, 2, None) is None
+
+
 def test_a_node_lost_mid_upload_leaves_nothing_listed_nor_stored(db: Database, storage: Storage) -> None:
     job_id, _ = job_of(db)
     n0, n1 = (NodeKey(job_id=job_id, attempt=1, node_rank=r) for r in (0, 1))
