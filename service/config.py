@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     # job's host is spared a transaction a second; a lost worker is seen up to this much later
     scheduler_idle_interval_s: float = 5.0
     starvation_s: float = 300.0
+    # contract §12: an elastic job grows at most once this often (a lost node resizes at once)
+    resize_interval_s: float = Field(300.0, ge=0)
     cancel_grace_s: float = 10.0
     rendezvous_timeout_s: float = 120.0
     # a node still running this long after every other node of its attempt ended is stalled

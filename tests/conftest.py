@@ -19,6 +19,7 @@ _INTEGRATION = ("stack", "torchrun")
 MARKS: dict[str, tuple[str, ...]] = {
     "integration/test_cli.py": _INTEGRATION,
     "integration/test_dependencies.py": _INTEGRATION,
+    "integration/test_elastic.py": (*_INTEGRATION, "fault"),
     "integration/test_exec.py": _INTEGRATION,
     "integration/test_failures.py": (*_INTEGRATION, "fault"),
     "integration/test_fair_queue.py": _INTEGRATION,

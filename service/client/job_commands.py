@@ -34,7 +34,9 @@ def submit(
     file: Annotated[Path | None, typer.Argument(help="job spec YAML", exists=True, dir_okay=False)] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="key=value override")] = None,
     mode: Annotated[str | None, typer.Option()] = None,
-    nodes: Annotated[int | None, typer.Option()] = None,
+    nodes: Annotated[
+        str | None, typer.Option(help="N, or MIN:MAX for an elastic ddp/fsdp job (contract §12)")
+    ] = None,
     gpus_per_node: Annotated[int | None, typer.Option()] = None,
     model: Annotated[str | None, typer.Option(help="builtin model")] = None,
     dataset: Annotated[str | None, typer.Option(help="builtin dataset")] = None,
@@ -62,7 +64,7 @@ def submit(
     """Submit a job from a YAML file and/or flags."""
     flags = {
         "mode": mode,
-        "nodes": nodes,
+        "nodes": parse_nodes(nodes) if nodes is not None else None,
         "gpus_per_node": gpus_per_node,
         "name": name,
         "hyperparameters.epochs": epochs,
@@ -90,6 +92,15 @@ def submit(
         emit(job, output)
     else:
         typer.echo(job["id"])
+
+
+def parse_nodes(text: str) -> int | dict[str, int]:
+    """`4`, or `2:4` for an elastic job's {"min", "max"}."""
+    low, sep, high = text.partition(":")
+    try:
+        return {"min": int(low), "max": int(high)} if sep else int(low)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: give N or MIN:MAX, e.g. 2:4") from None
 
 
 def ls(
@@ -154,8 +165,25 @@ def _number(value: float | None) -> str:
     return f"{value:.4f}" if value is not None else ""
 
 
+def _attempt(job: dict[str, Any]) -> str:
+    """`3 (resized 2)`: the attempt, and how many before it were preempted or resized (§12)."""
+    ended = [a.get("reason") for a in job.get("attempts") or [] if a.get("finished_at")]
+    counts = {r: ended.count(r) for r in ("preempted", "resized") if r in ended}
+    told = ", ".join(f"{r} {n}" for r, n in counts.items())
+    return f"{job.get('attempt', 1)} ({told})" if told else str(job.get("attempt", 1))
+
+
+def _nodes(job: dict[str, Any]) -> str:
+    """N, or for an elastic job the nodes it has now and its range: `2 (2:4)`."""
+    nodes = job["nodes"]
+    if isinstance(nodes, dict):
+        now = len(job.get("assignments") or []) or "-"
+        return f"{now} ({nodes.get('min')}:{nodes.get('max')})"
+    return str(nodes)
+
+
 def jobs_table(items: list[dict[str, Any]]) -> Table:
-    table = Table("id", "name", "state", "mode", "nodes×gpus", "progress", "loss", "created")
+    table = Table("id", "name", "state", "mode", "nodes×gpus", "attempt", "progress", "loss", "created")
     for job in items:
         sweep = job.get("sweep")
         table.add_row(
@@ -163,7 +191,8 @@ def jobs_table(items: list[dict[str, Any]]) -> Table:
             job["name"] or "",
             job["state"],
             f"sweep of {sweep['children']}" if sweep else job["mode"],
-            f"{job['nodes']}×{job['gpus_per_node']}",
+            f"{_nodes(job)}×{job['gpus_per_node']}",
+            _attempt(job),
             _percent(job),
             _number(job["progress"].get("loss")),
             job["created_at"][:19],

@@ -19,8 +19,9 @@ from service.checkpoints import repository as checkpoints_repo
 from service.db import Database
 from service.hosts import repository as hosts_repo
 from service.hosts.health import HostVerdict, failure_verdict, record_node_end
-from service.jobs import preemption
+from service.jobs import elastic, preemption
 from service.jobs import repository as repo
+from service.jobs.repository import NODE_FAILED
 from service.jobs.states import (
     ACTIVE,
     CANCELLED,
@@ -85,15 +86,42 @@ def finish_node(session: Session, job_id: int, attempt: int, node_rank: int, out
         return False
     if job.state == CANCELLING:
         _finish_cancel_if_quiet(session, job)
+    elif job.resize_reason == NODE_FAILED:  # an elastic job's failure on hold (below)
+        _judge_held_failure(session, job)
     elif job.preempting_since is not None:  # stopped on purpose: queued again once all ended (§12)
         preemption.settle(session, job)
     elif job.state in (SCHEDULED, RUNNING):
         if outcome.state == NodeState.SUCCEEDED:
             _succeed_if_all_done(session, job)
+        elif job.nodes_min is not None and _hold_failure(session, job, outcome):
+            return False
         else:
             end_attempt(session, job, outcome.exit_code, outcome.error or outcome.state, outcome.retryable)
             return True
     return False
+
+
+def _hold_failure(session: Session, job: Job, outcome: NodeOutcome) -> bool:
+    """An elastic job's node failed while others run: its peer may have died with its host,
+    which the reaper has not judged yet (a worker is known lost only when its heartbeats stop,
+    while its peers' collectives fail at once). The other nodes are stopped and the verdict
+    waits for them: a node judged lost meanwhile makes it a resize (§12), else it is the
+    failure it looked like (`_judge_held_failure`)."""
+    runs = repo.runs_of(session, job.id, job.attempt)
+    if not outcome.retryable or not any(r.state in NODE_ACTIVE for r in runs):
+        return False
+    job.exit_code, job.error = outcome.exit_code, outcome.error or outcome.state
+    job.resize_reason = NODE_FAILED
+    preemption.begin_stop(session, job)
+    return True
+
+
+def _judge_held_failure(session: Session, job: Job) -> None:
+    """Once every node of the held attempt has ended and none was lost: a plain failure."""
+    if any(r.state in NODE_ACTIVE for r in repo.runs_of(session, job.id, job.attempt)):
+        return
+    job.resize_reason, job.preempting_since = None, None
+    end_attempt(session, job, job.exit_code, job.error or "failed", retryable=True)
 
 
 def end_attempt(session: Session, job: Job, exit_code: int | None, error: str, retryable: bool) -> None:
@@ -163,9 +191,14 @@ def lose_node(session: Session, run: NodeRun, reason: str) -> bool:
         cancel_pending_nodes(session, job)
         return False
     if job.preempting_since is not None:  # being stopped anyway (contract §12)
+        if job.resize_reason == NODE_FAILED:  # the held failure was a lost node's: a resize
+            job.resize_reason, job.exit_code, job.error = elastic.LOST_NODE, None, None
         preemption.settle(session, job)
         return False
     detail = f"{reason}: node {run.node_rank} on worker {run.worker_name}"
+    if job.state == RUNNING and elastic.lose_node(session, job):  # resized, not retried (§12)
+        log.info("job %s resizes: %s", job.id, detail)
+        return True
     end_attempt(session, job, None, detail, retryable=True)
     return True
 

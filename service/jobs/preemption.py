@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from service.jobs import repository as repo
+from service.jobs.repository import NODE_FAILED
 from service.jobs.schemas import EventOut
 from service.jobs.states import (
     QUEUED,
@@ -31,6 +32,8 @@ from service.states import NODE_ACTIVE, NodeState
 PREEMPTED = "preempted"  # the ended attempt's reason, and the event's type
 WAITS = "preempted, waits: "  # how a stopped job's pending_reason starts until it is placed again
 WAITING = WAITS + "to be placed again, resuming from its latest checkpoint"
+RESIZED = "resized"  # an elastic job's attempt ended to restart on another number of nodes
+RESIZING = "resized: to be placed again on as many nodes as fit, resuming from its latest checkpoint"
 
 
 def request_stop(session: Session, job: Job, *, by_job: Job | None = None, worker: str | None = None) -> bool:
@@ -46,17 +49,26 @@ def request_stop(session: Session, job: Job, *, by_job: Job | None = None, worke
     if worker is not None:
         data["drained"] = worker
     append_event(session, job.id, PREEMPTED, data)
+    job.resize_wanted_at = None  # an elastic job's wish to grow is dropped: it stops anyway
+    begin_stop(session, job)
+    return True
+
+
+def begin_stop(session: Session, job: Job) -> None:
+    """The attempt's nodes that never started are cancelled; the rest are asked to stop."""
+    job.preempting_since = job.preempting_since or utcnow()
     for run in repo.runs_of(session, job.id, job.attempt):
         if run.state == NodeState.PENDING:  # never started: nothing to stop, and never will
             transition_node(run, NodeState.CANCELLED)
     settle(session, job)
-    return True
 
 
 def settle(session: Session, job: Job) -> None:
     """Once no node of the stopped attempt runs, the job is queued again (or, had every node
     finished its work meanwhile, it has succeeded)."""
     if job.preempting_since is None or job.state not in (SCHEDULED, RUNNING):
+        return
+    if job.resize_reason == NODE_FAILED:  # failed or lost: `lifecycle.finish_node` judges
         return
     runs = repo.runs_of(session, job.id, job.attempt)
     if any(r.state in NODE_ACTIVE for r in runs):
@@ -65,11 +77,12 @@ def settle(session: Session, job: Job) -> None:
         job.exit_code, job.error = 0, None
         transition_job(session, job, SUCCEEDED, "all nodes exited 0")
         return
-    transition_job(session, job, QUEUED, PREEMPTED)  # frees its GPUs, closes the attempt
+    resized = job.resize_reason is not None  # an elastic job's resize (kept until it is placed)
+    transition_job(session, job, QUEUED, RESIZED if resized else PREEMPTED)  # frees GPUs, ends the attempt
     job.attempt += 1
-    job.free_attempts += 1  # contract §12: a preemption is not charged to max_retries
-    job.preempting_since, job.preempted_by = None, None
-    job.pending_reason = WAITING
+    job.free_attempts += 1  # contract §12: a preemption or a resize is not charged to max_retries
+    job.preempting_since, job.preempted_by, job.resize_wanted_at = None, None, None
+    job.pending_reason = RESIZING if resized else WAITING
 
 
 def stopping_jobs(session: Session) -> list[Job]:

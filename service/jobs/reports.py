@@ -76,7 +76,7 @@ def write_batch(db: Transactions, key: NodeKey, batch: Batch) -> JobControl | No
             repo.set_progress(session, key.job_id, latest)
         first_seq = job.last_event_seq - len(cleaned) + 1
         recorded = metrics.record(session, key.job_id, key.attempt, first_seq, cleaned)
-        grace = job.stop_grace_s if job.preempting_since is not None else None  # contract §12
+        grace = repo.stop_grace_of(job.preempting_since, job.stop_grace_s, job.resize_reason)  # §12
         control = JobControl(
             job.state, key.attempt, job.last_report_at, stop=recorded.stop_intent, stop_grace_s=grace
         )
@@ -94,7 +94,7 @@ def touch_report(session: Session, key: NodeKey) -> JobControl | None:
     row = repo.touch_last_report(session, key.job_id, key.attempt, now, now - REPORT_RESOLUTION)
     if row is None:
         return _control(session, key.job_id)
-    grace = repo.stop_grace_of(row.preempting_since, row.stop_grace_s)
+    grace = repo.stop_grace_of(row.preempting_since, row.stop_grace_s, row.resize_reason)
     return JobControl(row.state, row.attempt, row.last_report_at, stop=row.stop_intent, stop_grace_s=grace)
 
 

@@ -272,22 +272,44 @@ def control(session: Session, job_id: int) -> Row[str, int, datetime | None, str
     ).one_or_none()
 
 
-# contract §12: the job's `stop_grace_s` while a preemption (or a drain) stops its attempt, else NULL
-STOP_GRACE = case((Job.preempting_since.is_not(None), Job.stop_grace_s), else_=None).label("stop_grace_s")
+# contract §12: the job's `stop_grace_s` while a preemption (or a drain) stops its attempt, at most
+# LOST_NODE_GRACE_S when an elastic job restarts without a lost node (its peers' collectives
+# cannot finish: nothing is gained by waiting), else NULL
+LOST_NODE = "node lost"  # an elastic job's `resize_reason` (service.jobs.elastic)
+NODE_FAILED = "node failed"  # ... while it is not yet known whether a node failed or was lost
+SHORT_STOPS = (LOST_NODE, NODE_FAILED)
+LOST_NODE_GRACE_S = 10
+STOP_GRACE = case(
+    (
+        Job.preempting_since.is_not(None),
+        case(
+            (
+                and_(Job.resize_reason.in_(SHORT_STOPS), Job.stop_grace_s > LOST_NODE_GRACE_S),
+                LOST_NODE_GRACE_S,
+            ),
+            else_=Job.stop_grace_s,
+        ),
+    ),
+    else_=None,
+).label("stop_grace_s")
 
 
 def set_progress(session: Session, job_id: int, progress: dict[str, Any]) -> None:
     session.execute(update(Job).where(Job.id == job_id).values(progress=progress))
 
 
-def stop_grace_of(preempting_since: datetime | None, stop_grace_s: int) -> int | None:
+def stop_grace_of(
+    preempting_since: datetime | None, stop_grace_s: int, resize_reason: str | None = None
+) -> int | None:
     """STOP_GRACE, in Python: the job's grace while a stop is asked of its attempt, else None."""
-    return stop_grace_s if preempting_since is not None else None
+    if preempting_since is None:
+        return None
+    return min(stop_grace_s, LOST_NODE_GRACE_S) if resize_reason in SHORT_STOPS else stop_grace_s
 
 
 def touch_last_report(
     session: Session, job_id: int, attempt: int, now: datetime, stale_before: datetime
-) -> Row[str, int, datetime | None, str | None, datetime | None, int] | None:
+) -> Row[str, int, datetime | None, str | None, datetime | None, int, str | None] | None:
     """`last_report_at = now` on the job's `attempt` when it is older than `stale_before` (or
     unset); (state, attempt, last_report_at, stop_intent) when written, None when not."""
     return session.execute(
@@ -307,6 +329,7 @@ def touch_last_report(
             Job.stop_intent,
             Job.preempting_since,
             Job.stop_grace_s,
+            Job.resize_reason,
         )
         .execution_options(synchronize_session=False)
     ).one_or_none()
@@ -745,3 +768,20 @@ def best_child(
         .order_by(value.asc() if minimise else value.desc(), Job.id)
         .limit(1)
     ).one_or_none()
+
+
+def growable_jobs(session: Session) -> Sequence[Job]:
+    """Running elastic jobs below their most nodes and not being stopped (contract §12)."""
+    query = select(Job).where(
+        Job.state == JobState.RUNNING,
+        Job.nodes_max.is_not(None),
+        Job.nodes < Job.nodes_max,
+        Job.preempting_since.is_(None),
+    )
+    return session.execute(query.order_by(Job.priority.desc(), Job.id)).scalars().all()
+
+
+def top_queued_priority(session: Session) -> int | None:
+    """The highest priority of a queued job, or None with none queued."""
+    query = select(func.max(Job.priority)).where(Job.state == JobState.QUEUED, Job.kind != SWEEP)
+    return session.execute(query).scalar_one_or_none()

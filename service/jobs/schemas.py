@@ -66,7 +66,7 @@ class JobOut(BaseModel):
     owner: str
     state: str
     mode: str
-    nodes: int
+    nodes: int | dict[str, int]  # {"min", "max"}: an elastic job (contract §12); its size now: assignments
     gpus_per_node: int
     entrypoint: dict[str, Any]
     hyperparameters: dict[str, Any] | None

@@ -30,7 +30,7 @@ from service.jobs.schemas import (
     Progress,
     SweepOut,
 )
-from service.jobs.spec import JobSpec
+from service.jobs.spec import JobSpec, NodeRange
 from service.jobs.states import (
     ALL_STATES,
     CANCELLED,
@@ -127,7 +127,9 @@ def new_job(
         name=spec.name,
         kind="job",
         mode=spec.mode,
-        nodes=spec.nodes,
+        nodes=spec.node_range[0],
+        nodes_min=spec.node_range[0] if isinstance(spec.nodes, NodeRange) else None,
+        nodes_max=spec.node_range[1] if isinstance(spec.nodes, NodeRange) else None,
         gpus_per_node=spec.gpus_per_node,
         entrypoint=spec.entrypoint.model_dump(),
         hyperparameters=hyper.model_dump() if hyper else None,
@@ -314,7 +316,7 @@ def job_views(
             owner=owners.get(j.owner_id, "?"),
             state=j.state,
             mode=j.mode,
-            nodes=j.nodes,
+            nodes=j.nodes if j.nodes_min is None else {"min": j.nodes_min, "max": j.nodes_max},
             gpus_per_node=j.gpus_per_node,
             entrypoint=j.entrypoint,
             hyperparameters=j.hyperparameters,

@@ -118,6 +118,9 @@ class Hyperparameters(Input):
     )
     find_unused_parameters: bool = Field(False, description="DDP's, for models that skip parameters")
     static_graph: bool = Field(False, description="DDP's, for a graph that never changes")
+    global_batch_size: int | None = Field(
+        None, ge=1, le=16_777_216, description="kept across world sizes: per-rank batch x accumulation (§12)"
+    )
 
 
 class ResumeFrom(Input):
@@ -221,10 +224,23 @@ class Sweep(Input):
         return v
 
 
+class NodeRange(Input):
+    """An elastic job's node count (contract §12): starts on as many as fit from `min` to `max`."""
+
+    min: int = Field(ge=1, le=64)
+    max: int = Field(ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NodeRange:
+        if self.max < self.min:
+            raise ValueError(f"max ({self.max}) is below min ({self.min})")
+        return self
+
+
 class JobSpec(Input):
     name: NAME | None = None
     mode: Literal["single", "dp", "ddp", "fsdp"]
-    nodes: int = Field(1, ge=1, le=64)
+    nodes: Annotated[int, Field(ge=1, le=64)] | NodeRange = Field(1, union_mode="left_to_right")
     gpus_per_node: int = Field(1, ge=1, le=64)
     entrypoint: Entrypoint
     hyperparameters: Hyperparameters | None = None
@@ -256,10 +272,37 @@ class JobSpec(Input):
 
     @field_validator("nodes")
     @classmethod
-    def _nodes_fit_mode(cls, v: int, info: ValidationInfo) -> int:
+    def _nodes_fit_mode(cls, v: int | NodeRange, info: ValidationInfo) -> int | NodeRange:
         mode = info.data.get("mode")
-        if v > 1 and mode in ("single", "dp"):
+        if isinstance(v, NodeRange) and mode in ("single", "dp"):
+            raise ValueError(f"mode {mode!r} runs on one node; only 'ddp' and 'fsdp' may be elastic")
+        if isinstance(v, int) and v > 1 and mode in ("single", "dp"):
             raise ValueError(f"mode {mode!r} runs on one node; only 'ddp' and 'fsdp' may use nodes > 1")
+        return v
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """(fewest, most) nodes: equal for a job of a fixed size."""
+        if isinstance(self.nodes, NodeRange):
+            return self.nodes.min, self.nodes.max
+        return self.nodes, self.nodes
+
+    @field_validator("hyperparameters")
+    @classmethod
+    def _global_batch_divides(cls, v: Hyperparameters | None, info: ValidationInfo) -> Hyperparameters | None:
+        """Every world size the job may run at takes an equal share of the global batch."""
+        nodes, gpus = info.data.get("nodes"), info.data.get("gpus_per_node")
+        if v is None or v.global_batch_size is None or info.data.get("mode") not in ("ddp", "fsdp"):
+            return v
+        if nodes is None or gpus is None:
+            return v
+        low, high = (nodes.min, nodes.max) if isinstance(nodes, NodeRange) else (nodes, nodes)
+        for n in range(low, high + 1):
+            if v.global_batch_size % (n * gpus):
+                raise ValueError(
+                    f"global_batch_size {v.global_batch_size} does not divide over {n * gpus} ranks "
+                    f"({n} nodes x {gpus} GPUs)"
+                )
         return v
 
     @field_validator("gpus_per_node")

@@ -100,6 +100,7 @@ def append_attempt_events(
             Job.last_report_at,
             Job.preempting_since,
             Job.stop_grace_s,
+            Job.resize_reason,
         )
         .execution_options(synchronize_session=False)
     ).one_or_none()

@@ -53,11 +53,12 @@ def check_owner_limits(spec: JobSpec, user: User) -> None:
             ("priority",),
             f"{spec.priority} is above your max_priority {user.max_priority} (set by the admin)",
         )
-    gpus = spec.nodes * spec.gpus_per_node
+    fewest = spec.node_range[0]
+    gpus = fewest * spec.gpus_per_node
     if user.gpu_quota is not None and gpus > user.gpu_quota:
         raise InvalidSpec(
             ("gpu_quota",),
-            f"the job asks for {gpus} GPUs ({spec.nodes} nodes x {spec.gpus_per_node}); "
+            f"the job asks for {gpus} GPUs ({fewest} nodes x {spec.gpus_per_node}); "
             f"your gpu_quota is {user.gpu_quota}",
         )
 
@@ -85,10 +86,10 @@ def check_fits_cluster(session: Session, spec: JobSpec) -> None:
             f"asks for {spec.gpus_per_node} GPUs per node; the largest worker has {sizes[0]}",
         )
     fitting = sum(1 for s in sizes if s >= spec.gpus_per_node)
-    if fitting < spec.nodes:
+    if fitting < spec.node_range[0]:
         raise InvalidSpec(
             ("nodes",),
-            f"asks for {spec.nodes} nodes with {spec.gpus_per_node} GPUs; "
+            f"asks for {spec.node_range[0]} nodes with {spec.gpus_per_node} GPUs; "
             f"only {fitting} worker(s) have that many",
         )
 

@@ -54,6 +54,7 @@ class DatabaseCollector(Collector):
             gpu_seconds = totals_by_owner(session, now)
             names = repo.user_names(session)
             preemptions = repo.preempted_attempts(session)
+            resizes = repo.preempted_attempts(session, "resized")
 
         jobs = GaugeMetricFamily("torchjobs_jobs", "Jobs in each state.", labels=["state"])
         for state in ALL_STATES:
@@ -118,6 +119,11 @@ class DatabaseCollector(Collector):
         )
         preempted.add_metric([], preemptions)
         yield preempted
+        resized = CounterMetricFamily(
+            "torchjobs_resizes", "Attempts of elastic jobs ended by a resize, all time (contract §12)."
+        )
+        resized.add_metric([], resizes)
+        yield resized
 
 
 def queue_wait_histogram(waits: Sequence[float]) -> HistogramMetricFamily:

@@ -51,7 +51,8 @@ def user_names(session: Session) -> dict[int, str]:
     return dict(session.execute(select(User.id, User.name)).all())
 
 
-def preempted_attempts(session: Session) -> int:
-    """Attempts that ended preempted (or drained), all time (contract §12)."""
-    query = select(func.count()).select_from(JobAttempt).where(JobAttempt.reason == "preempted")
+def preempted_attempts(session: Session, reason: str = "preempted") -> int:
+    """Attempts that ended preempted (or drained), or with another `reason` ("resized": an
+    elastic job's resize), all time (contract §12)."""
+    query = select(func.count()).select_from(JobAttempt).where(JobAttempt.reason == reason)
     return int(session.execute(query).scalar_one())

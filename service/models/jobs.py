@@ -79,6 +79,14 @@ class Job(Base):
     preempting_since: Mapped[datetime | None] = mapped_column(UTCDateTime)
     preempted_by: Mapped[int | None] = mapped_column(Integer)
     free_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # contract §12, elastic jobs: `nodes` is the current size, between these (NULL: a fixed size);
+    # `resize_reason` ("node lost", "grow") while a resize is wanted or under way; a grow waits
+    # for a checkpoint newer than `resize_wanted_at`; `last_resize_at` spaces grows apart
+    nodes_min: Mapped[int | None] = mapped_column(Integer)
+    nodes_max: Mapped[int | None] = mapped_column(Integer)
+    resize_reason: Mapped[str | None] = mapped_column(String(16))
+    resize_wanted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_resize_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     attempt: Mapped[int] = mapped_column(Integer, default=1)
     progress: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)

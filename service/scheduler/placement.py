@@ -6,7 +6,8 @@ already placed (fair share), then the oldest job (contract §9).
 A job whose owner's `gpu_quota` it would exceed waits, and is never in anyone's way. A job is
 placed only when every node fits at once, one node per distinct host, best fit first (the
 host with the fewest free GPUs that still fit) so that big holes stay open for big jobs.
-Smaller jobs may backfill around a job that does not fit, except once that job has waited
+An elastic job (`max_nodes`) fits once its fewest nodes do, and takes as many as fit up to its
+most. Smaller jobs may backfill around a job that does not fit, except once that job has waited
 `starvation_s`: from then on nothing after it is placed until it is, so a stream of small
 jobs cannot starve a large one forever.
 """
@@ -44,6 +45,18 @@ class QueuedJob:
     owner: int = 0
     sweep: int | None = None  # a sweep's child: its parent, whose max_parallel it counts in
     needs_cuda: bool = False  # e.g. amp fp16: never placed on a CPU worker of a mixed cluster
+    max_nodes: int = 0  # an elastic job (contract §12): `nodes` is its fewest, this its most
+
+
+def node_count(job: QueuedJob, fitting: int, owner: Owner) -> int:
+    """How many nodes to give a job that fits: its size, or for an elastic job as many as fit
+    up to its most, within its owner's quota."""
+    if job.max_nodes <= job.nodes:
+        return job.nodes
+    count = min(fitting, job.max_nodes)
+    if owner.quota is not None:
+        count = min(count, (owner.quota - owner.in_use) // job.gpus_per_node)
+    return max(count, job.nodes)
 
 
 @dataclass(kw_only=True)
@@ -159,8 +172,9 @@ def plan(
             if job.waited_s >= starvation_s:
                 blocker = job
             continue
-        nodes = []
-        for rank, host in enumerate(fitting[: job.nodes]):
+        nodes, count = [], node_count(job, len(fitting), owner)
+        need = count * job.gpus_per_node
+        for rank, host in enumerate(fitting[:count]):
             taken, free[host] = tuple(free[host][: job.gpus_per_node]), free[host][job.gpus_per_node :]
             nodes.append(NodePlacement(node_rank=rank, host=host, gpus=taken))
         result.placements[job.id] = tuple(nodes)

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from service.config import Settings
 from service.db import Database
 from service.hosts import repository as hosts_repo
+from service.jobs import elastic
 from service.jobs import repository as jobs_repo
 from service.jobs.dependencies import Readiness, fail_doomed, readiness, take_dependency_checkpoint
 from service.jobs.lifecycle import open_attempt
@@ -40,6 +41,7 @@ from service.scheduler.outages import DatabaseOutages
 from service.scheduler.placement import Host, NodePlacement, Owner, QueuedJob, SweepLimit, plan
 from service.scheduler.preemption import RunningJob
 from service.scheduler.reaper import reap
+from service.scheduler.resizes import grow
 from service.scheduler.stops import drain, preempt, running_jobs
 from service.usage.repository import gpus_in_use
 from service.users import repository as users_repo
@@ -90,6 +92,7 @@ def run_pass(
                 return []
             reap(session, settings, judge_silence=outages is None or outages.may_judge_silence())
             drain(session)
+            grow(session, settings)
             sent = place(session, settings, room)
             resend = throttle.due(undelivered(session, settings)) if throttle else []
     except (IntegrityError, OperationalError) as exc:
@@ -170,6 +173,8 @@ def placement_inputs(session: Session) -> PlacementInputs:
             Job.id,
             Job.priority,
             Job.nodes,
+            Job.nodes_min,
+            Job.nodes_max,
             Job.gpus_per_node,
             Job.queued_at,
             Job.pending_reason,
@@ -208,7 +213,8 @@ def placement_inputs(session: Session) -> PlacementInputs:
         QueuedJob(
             id=r.id,
             priority=r.priority,
-            nodes=r.nodes,
+            nodes=r.nodes_min or r.nodes,
+            max_nodes=r.nodes_max or 0,
             gpus_per_node=r.gpus_per_node,
             waited_s=(now - r.queued_at).total_seconds(),
             by_admin=bool(r.is_admin),
@@ -266,6 +272,7 @@ def place(session: Session, settings: Settings, room: Room | None = None) -> lis
             continue
         job.master_port = _pick_port(settings, busy_ports.setdefault(nodes[0].host, set()))
         job.pending_reason = None
+        elastic.placed(session, job, len(nodes))
         open_attempt(session, job)
         for node in nodes:
             hosts_repo.add_allocations(

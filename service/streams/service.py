@@ -235,8 +235,9 @@ def start_position(
 
 def check_log_position(job: Job, node: int, attempt: int | None) -> int:
     """The attempt to read (the latest unless given); 422 for a node or attempt the job never had."""
-    if node >= job.nodes:
-        raise InvalidSpec(("node",), f"job {job.id} has {job.nodes} node(s): 0..{job.nodes - 1}")
+    most = max(job.nodes, job.nodes_max or 0)  # an elastic job's earlier attempt may have had more
+    if node >= most:
+        raise InvalidSpec(("node",), f"job {job.id} has {most} node(s): 0..{most - 1}")
     if attempt is not None and attempt > job.attempt:
         raise InvalidSpec(("attempt",), f"job {job.id} has had {job.attempt} attempt(s)")
     return attempt if attempt is not None else job.attempt

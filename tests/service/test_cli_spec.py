@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import typer
+from pydantic import ValidationError
+
 from service.client.spec import build_spec
 from service.jobs.spec import JobSpec
 
@@ -49,3 +53,66 @@ def test_a_scripts_numeric_args_and_labels_reach_the_api_as_text(tmp_path: Path)
     assert spec["entrypoint"]["args"] == ["--epochs", "2", "--lr", "0.1", "--amp", "true"]
     assert spec["labels"] == {"version": "2", "team": "vision"}
     JobSpec.model_validate(spec)  # the strict spec takes it
+
+
+def test_nodes_take_a_count_or_an_elastic_range() -> None:
+    from service.client.job_commands import parse_nodes
+
+    assert parse_nodes("3") == 3
+    assert parse_nodes("2:4") == {"min": 2, "max": 4}
+    with pytest.raises(typer.BadParameter):
+        parse_nodes("2-4")
+
+
+def test_the_table_says_how_many_attempts_were_preempted_or_resized() -> None:
+    from service.client.job_commands import _attempt, _nodes
+
+    attempts = [
+        {"attempt": 1, "reason": "resized", "finished_at": "t"},
+        {"attempt": 2, "reason": "preempted", "finished_at": "t"},
+        {"attempt": 3, "reason": "resized", "finished_at": "t"},
+        {"attempt": 4, "reason": None, "finished_at": None},
+    ]
+    assert _attempt({"attempt": 4, "attempts": attempts}) == "4 (preempted 1, resized 2)"
+    assert _attempt({"attempt": 1, "attempts": []}) == "1"
+    job = {"nodes": {"min": 2, "max": 4}, "assignments": [{}, {}, {}]}
+    assert _nodes(job) == "3 (2:4)" and _nodes({"nodes": 2}) == "2"
+
+
+ENTRY = {"kind": "builtin", "model": "mlp", "dataset": "synthetic"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "says"),
+    [
+        ({"mode": "dp", "nodes": {"min": 1, "max": 2}}, "nodes", "only 'ddp' and 'fsdp' may be elastic"),
+        ({"mode": "ddp", "nodes": {"min": 3, "max": 2}}, "nodes", "below min"),
+        ({"mode": "ddp", "nodes": {"min": 0, "max": 2}}, "nodes", "greater than or equal to 1"),
+        ({"mode": "ddp", "nodes": {"min": 1, "max": 2, "step": 1}}, "nodes", "Extra inputs"),
+        (
+            {"mode": "ddp", "nodes": {"min": 2, "max": 3}, "hyperparameters": {"global_batch_size": 8}},
+            "hyperparameters",
+            "does not divide over 3 ranks",
+        ),
+    ],
+)
+def test_an_elastic_range_that_cannot_work_is_refused_naming_its_field(
+    spec: dict[str, object], field: str, says: str
+) -> None:
+    with pytest.raises(ValidationError) as caught:
+        JobSpec.model_validate({**spec, "entrypoint": ENTRY})
+    errors = caught.value.errors()
+    assert all(e["loc"][0] == field for e in errors), errors
+    assert any(says in e["msg"] for e in errors), errors
+
+
+def test_an_elastic_range_and_a_global_batch_that_divides_are_taken() -> None:
+    spec = JobSpec.model_validate(
+        {
+            "mode": "fsdp",
+            "nodes": {"min": 2, "max": 3},
+            "entrypoint": ENTRY,
+            "hyperparameters": {"global_batch_size": 12},
+        }
+    )
+    assert spec.node_range == (2, 3)

@@ -338,7 +338,7 @@
       name,
       el("td", {}, el("span", { class: `badge ${job.state}`, text: job.state })),
       el("td", { text: mode }),
-      el("td", { text: `${job.nodes}×${job.gpus_per_node}` }),
+      el("td", { text: `${nodesText(job)}×${job.gpus_per_node}` }),
       el("td", {}, el("div", { class: "progress-cell" }, progressBar(p.fraction),
         el("span", { class: "small muted", text: sweep ? `${sweep.ended} of ${sweep.children} ended` : progressText(p) }))),
       el("td", { class: "mono", text: fmtNum(p.loss) }),
@@ -545,11 +545,12 @@
 
     setRanks(job) {
       const perNode = job.mode === "ddp" || job.mode === "fsdp" ? job.gpus_per_node : 1;
-      const key = `${job.nodes}x${perNode}`;
+      const nodes = nodeCount(job);
+      const key = `${nodes}x${perNode}`;
       if (key === this.ranks) return;
       this.ranks = key;
       const options = [];
-      for (let node = 0; node < job.nodes; node += 1) {
+      for (let node = 0; node < nodes; node += 1) {
         for (let rank = 0; rank < perNode; rank += 1) {
           options.push(el("option", { value: `${node}:${rank}`, text: `node ${node} · rank ${rank}` }));
         }
@@ -722,6 +723,18 @@
     $("job-progress").textContent = `${progressText(p)}${loss}${acc}`;
   }
 
+  // An elastic job's `nodes` is its range {min, max} (contract §12): the nodes it has now, then the range.
+  function nodeCount(job) {
+    if (typeof job.nodes === "number") return job.nodes;
+    return (job.assignments || []).length || job.nodes.max;
+  }
+
+  function nodesText(job) {
+    if (typeof job.nodes === "number") return String(job.nodes);
+    const now = (job.assignments || []).length;
+    return `${now || "–"} (${job.nodes.min}–${job.nodes.max})`;
+  }
+
   function renderJob(job) {
     $("job-title").textContent = `Job #${job.id}${job.name ? ` · ${job.name}` : ""}`;
     renderState(job);
@@ -731,7 +744,7 @@
       : ep.kind === "script" ? `script ${ep.path}` : `factory ${ep.model ?? ""}`;
     const facts = [
       ["owner", job.owner],
-      ["mode", `${job.mode}, ${job.nodes} node(s) × ${job.gpus_per_node} GPU(s)`],
+      ["mode", `${job.mode}, ${nodesText(job)} node(s) × ${job.gpus_per_node} GPU(s)`],
       ["entrypoint", entry],
       ["attempt", `${job.attempt} (max retries ${job.max_retries})`],
       ["created", fmtTime(job.created_at)],
@@ -741,6 +754,9 @@
     ];
     if (job.state === "queued") {
       facts.push(["waiting", `${job.pending_reason || "for the scheduler"} (position ${job.queue_position ?? "?"})`]);
+    }
+    if ((job.attempts || []).length > 1) {
+      facts.push(["attempts", job.attempts.map((a) => `${a.attempt}: ${a.reason || job.state}`).join("; ")]);
     }
     if (job.exit_code !== null && job.exit_code !== undefined) facts.push(["exit code", String(job.exit_code)]);
     if (job.code) facts.push(["code", job.code]);

@@ -106,3 +106,19 @@ def test_ddp_accumulates_without_syncing_inside_a_group(jobs: Any, tmp_path: Any
     run = jobs.start(tmp_path / "ddp", config, nproc=2).ok()
     ckpt = torch.load(run.checkpoints / "epoch-0001.pt", weights_only=True)
     assert int(ckpt["optimizer"]["state"][0]["step"]) == 4  # 8 batches a rank, 2 per step
+
+
+def test_a_global_batch_is_kept_at_every_world_size() -> None:
+    """Contract §12: an elastic job resized keeps its global batch: per-rank batch times
+    accumulation times ranks, the fewest accumulation steps whose micro-batch fits `batch_size`."""
+    from workers.runtime.errors import ConfigError
+    from workers.runtime.trainer.config import Hyperparameters
+
+    hp = Hyperparameters(batch_size=32, global_batch_size=96)
+    for world, (batch, accum) in {1: (32, 3), 2: (24, 2), 3: (32, 1), 4: (24, 1), 6: (16, 1)}.items():
+        fitted = hp.for_world(world)
+        assert (fitted.batch_size, fitted.grad_accum_steps) == (batch, accum), world
+        assert fitted.batch_size * fitted.grad_accum_steps * world == 96
+    assert Hyperparameters(batch_size=32).for_world(3).batch_size == 32  # without it: per rank
+    with pytest.raises(ConfigError, match="does not divide over 5 ranks"):
+        hp.for_world(5)

@@ -63,6 +63,7 @@ class Hyperparameters:
     sync_buffers: str = "init"  # ddp: rank 0's buffers once ("init") or before every step ("step")
     find_unused_parameters: bool = False  # ddp's own knobs, for factory models
     static_graph: bool = False
+    global_batch_size: int | None = None  # kept across world sizes (an elastic job's resizes, §12)
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -100,6 +101,8 @@ class Hyperparameters:
                 raise ConfigError(
                     f"hyperparameters.{name} must be true or false, not {getattr(self, name)!r}"
                 )
+        if self.global_batch_size is not None:
+            _require_int("global_batch_size", self.global_batch_size, 1)
         if self.sync_buffers not in ("init", "step"):
             raise ConfigError(f"hyperparameters.sync_buffers must be init or step, not {self.sync_buffers!r}")
 
@@ -114,6 +117,23 @@ class Hyperparameters:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def for_world(self, world_size: int) -> Hyperparameters:
+        """With `global_batch_size`, the per-rank batch and accumulation that keep it on this
+        many ranks (contract §12: an elastic job resized keeps its global batch): the fewest
+        accumulation steps whose micro-batch is at most `batch_size`. Without it, unchanged."""
+        total = self.global_batch_size
+        if total is None:
+            return self
+        if total % world_size:
+            raise ConfigError(
+                f"hyperparameters.global_batch_size {total} does not divide over {world_size} ranks"
+            )
+        per_rank = total // world_size
+        cap = self.batch_size
+        fitting = (a for a in range(1, per_rank + 1) if per_rank % a == 0 and per_rank // a <= cap)
+        accum = next(fitting)
+        return dataclasses.replace(self, batch_size=per_rank // accum, grad_accum_steps=accum)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -126,7 +126,7 @@ class Trainer:
         resume: Resume | DcpResume | None,
     ) -> None:
         self.config = config
-        self.hp = config.hyperparameters
+        self.hp = config.hyperparameters.for_world(ctx.world_size)
         self.plan = plan
         self.env = env
         self.ctx = ctx
