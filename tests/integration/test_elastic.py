@@ -104,6 +104,8 @@ def test_an_elastic_fsdp_job_resumes_its_sharded_checkpoint_on_fewer_ranks(stack
     done = stack.wait_job(job["id"], timeout=600)
     assert done["state"] == "succeeded", stack.describe(job["id"])
     assert done["attempts"][0]["reason"] == "resized" and done["progress"]["epoch"] == 12
+    last = done["latest_checkpoint"]  # saved by node 0 after node 1's last look, listed all the same
+    assert last is not None and (last["epoch"], last["kind"]) == (12, "folder"), last
     log = rank0_log(stack, job["id"], 2)
     assert "resuming at epoch" in log, log[-2000:]
 
