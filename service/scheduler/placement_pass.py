@@ -40,7 +40,7 @@ from service.models import GpuAllocation, Job, NodeRun, User, Worker, utcnow
 from service.scheduler.outages import DatabaseOutages
 from service.scheduler.placement import Host, NodePlacement, Owner, QueuedJob, SweepLimit, plan
 from service.scheduler.preemption import RunningJob
-from service.scheduler.reaper import reap
+from service.scheduler.reaper import clean_lost_parts, reap
 from service.scheduler.resizes import grow
 from service.scheduler.stops import drain, preempt, running_jobs
 from service.usage.repository import gpus_in_use
@@ -90,7 +90,7 @@ def run_pass(
                 outages.reached()  # (on SQLite, not yet: a failure below says otherwise)
             if not locked:
                 return []
-            reap(session, settings, judge_silence=outages is None or outages.may_judge_silence())
+            lost = reap(session, settings, judge_silence=outages is None or outages.may_judge_silence())
             drain(session)
             grow(session, settings)
             sent = place(session, settings, room)
@@ -101,6 +101,7 @@ def run_pass(
             outages.unreachable()
         return []
     settle(db)
+    clean_lost_parts(db, settings, lost)
     if sent or resend:
         try:
             dispatch(sent + resend)

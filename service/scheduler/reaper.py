@@ -12,7 +12,9 @@ from datetime import timedelta
 
 from sqlalchemy.orm import Session
 
+from service.checkpoints.folders import end_node
 from service.config import Settings
+from service.db import Database
 from service.hosts import repository as hosts_repo
 from service.hosts.health import HostVerdict, record_node_end
 from service.hosts.states import take_offline
@@ -20,13 +22,16 @@ from service.jobs import repository as jobs_repo
 from service.jobs.lifecycle import cancel_pending_nodes, lose_node, tell_quarantined
 from service.jobs.preemption import settle, stopping_jobs
 from service.models import utcnow
+from service.nodes.values import NodeKey
 from service.states import NodeState, WorkerState
+from service.storage import Storage
 
 log = logging.getLogger("torchjobs.scheduler")
 
 
-def reap(session: Session, settings: Settings, judge_silence: bool = True) -> None:
+def reap(session: Session, settings: Settings, judge_silence: bool = True) -> list[NodeKey]:
     """Workers silent past the timeout go offline; their nodes are lost; their jobs retry or fail.
+    Returns the nodes lost (their unlisted checkpoint parts: `clean_lost_parts`).
 
     Not `judge_silence`: the database was away a moment ago (`DatabaseOutages`), so nobody is
     taken offline, and no node is late, for a silence that was the database's own."""
@@ -61,3 +66,15 @@ def reap(session: Session, settings: Settings, judge_silence: bool = True) -> No
     for job in jobs_repo.cancelling_jobs(session):  # (not a sweep's parent: settle_sweeps)
         if all(r.state != NodeState.RUNNING for r in jobs_repo.runs_of(session, job.id, job.attempt)):
             cancel_pending_nodes(session, job)
+    return [NodeKey(job_id=r.job_id, attempt=r.attempt, node_rank=r.node_rank) for r in runs]
+
+
+def clean_lost_parts(db: Database, settings: Settings, lost: list[NodeKey]) -> None:
+    """After the pass commits: a lost node may be the last of its attempt to end, and no node is
+    left to drop the attempt's unlisted checkpoint parts (contract §11: nothing orphaned in
+    storage). `end_node` does, once every node of the attempt has ended."""
+    if not lost:
+        return
+    storage = Storage.from_settings(settings)
+    for key in lost:
+        end_node(db, storage, key)

@@ -175,6 +175,29 @@ def test_a_node_lost_mid_upload_leaves_nothing_listed_nor_stored(db: Database, s
     assert objects(storage) == []
 
 
+def test_a_lost_node_that_ends_last_leaves_nothing_orphaned(db: Database, storage: Storage) -> None:
+    """Node 0 ended first; node 1's host dies mid-upload. No node is left to clean up: the
+    scheduler pass that loses node 1 drops the attempt's unlisted parts and their objects."""
+    from service.scheduler.placement_pass import run_pass
+
+    job_id, _ = job_of(db)
+    n0 = NodeKey(job_id=job_id, attempt=1, node_rank=0)
+    store(db, storage, n0, {"a": b"a"})
+    with db.transaction() as s:
+        s.add(CheckpointPart(job_id=job_id, attempt=1, node_rank=1, name="step-1", version=0, phase="storing",
+                             prefix=f"jobs/{job_id}/attempt-1/step-1/v0-n1-x/", files=[]))  # fmt: skip
+        run0 = s.execute(select(NodeRun).where(NodeRun.job_id == job_id, NodeRun.node_rank == 0)).scalar_one()
+        assert transition_node(run0, "failed")
+    storage.put_stream(iter([b"half"]), f"jobs/{job_id}/attempt-1/step-1/v0-n1-x/b")
+    folders.end_node(db, storage, n0)  # node 1 still runs: nothing goes yet
+    assert objects(storage) != []
+    db.settings.storage_url = storage.url
+    run_pass(db, db.settings, dispatch=lambda _: None)  # w1 has no heartbeat: node 1 is lost
+    with db.read() as s:
+        assert s.execute(select(CheckpointPart)).first() is None
+    assert objects(storage) == []
+
+
 def test_a_file_changed_while_stored_leaves_no_part(db: Database, storage: Storage) -> None:
     job_id, _ = job_of(db, nodes=1)
     key = NodeKey(job_id=job_id, attempt=1, node_rank=0)
