@@ -26,7 +26,7 @@ from workers.launcher.command import NodeLaunch, NodePaths, build_launch, enviro
 from workers.launcher.devices import cuda_visible, device_files
 from workers.launcher.run_dir import remove_run_dir, tmp_root
 from workers.launcher.sandbox import Isolation
-from workers.launcher.staging import StagingFailed, stage_folder
+from workers.launcher.staging import StagingFailed, prune_folders, stage_folder
 from workers.launcher.supervisor import FolderHooks, Hooks, NodeSupervisor
 
 log = logging.getLogger("torchjobs.worker")
@@ -233,9 +233,11 @@ def _fetch_resume(ctx: WorkerContext, resume: tuple[int, str, str]) -> tuple[str
     cache = ctx.settings.cache_dir / "checkpoints"
     if kind == "folder":
         try:
-            return str(stage_folder(ctx.storage, cache, ckpt_id, name, files)), name
+            staged = stage_folder(ctx.storage, cache, ckpt_id, name, files)
         except (OSError, StagingFailed) as exc:
             raise _NotReady(f"could not fetch checkpoint {ckpt_id}: {exc}") from exc
+        prune_folders(cache, ctx.settings.cache_max_bytes, keep=staged.parent)
+        return str(staged), name
     return _fetch_file(ctx, resume), name
 
 

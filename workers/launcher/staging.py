@@ -12,8 +12,10 @@ from a job's folder, and belongs to the node's user.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +24,7 @@ from typing import Protocol
 from workers.launcher.jobfiles import remove_tree
 
 StoredFile = tuple[str, int, str, str]  # path, size, sha256, storage key
+FOLDER_MIN_IDLE_S = 3600.0  # a staged folder used this recently is never pruned
 
 
 class Fetcher(Protocol):
@@ -67,6 +70,46 @@ def stage_folder(storage: Fetcher, cache: Path, ckpt_id: int, name: str, files: 
             _writable(partial)
             remove_tree(partial)
     return target
+
+
+def prune_folders(cache: Path, max_bytes: int, keep: Path, min_idle_s: float = FOLDER_MIN_IDLE_S) -> None:
+    """The host's staged folders, least recently used first, until the checkpoint cache (its
+    files too) fits `max_bytes`. The one in use stays, and so does one staged or used within
+    `min_idle_s` (a running node may be reading it: the cap is a soft one while many are
+    busy). Each goes renamed away first, so no node ever finds one half gone."""
+    now = time.time()
+    staged: list[tuple[float, Path]] = []
+    for path in cache.glob("folder-*"):
+        if path != keep and path.is_dir():
+            with contextlib.suppress(FileNotFoundError):  # removed by another node meanwhile
+                staged.append((path.stat().st_mtime, path))
+    sizes = {p: _tree_bytes(p) for _, p in staged}
+    total = sum(sizes.values()) + _tree_bytes(keep) + sum(_size(p) for p in cache.glob("*.pt"))
+    for used, folder in sorted(staged):
+        if total <= max_bytes or now - used < min_idle_s:
+            break
+        victim = cache / f".{folder.name}.removing-{uuid.uuid4().hex}"
+        try:
+            folder.rename(victim)
+        except OSError:
+            continue
+        total -= sizes[folder]
+        _writable(victim)
+        remove_tree(victim)
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for folder, _dirs, names in os.walk(root):
+        total += sum(_size(Path(folder) / name) for name in names)
+    return total
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0
 
 
 def _safe(path: str) -> bool:

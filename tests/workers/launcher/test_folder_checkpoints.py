@@ -291,3 +291,24 @@ def test_staging_a_folder_checks_every_file_and_is_cached(tmp_path: Path) -> Non
     assert (run_ckpts / "step-1/sub/b.bin").read_bytes() == b"bb"
     assert (run_ckpts / "step-1/a.bin").stat().st_mode & 0o777 == 0o644
     assert not place_copy(staged, run_ckpts, "../x", None)
+
+
+def test_staged_folders_are_pruned_least_recently_used_first_but_not_while_in_use(tmp_path: Path) -> None:
+    from service.storage import Storage
+    from workers.launcher.staging import prune_folders, stage_folder
+
+    storage = Storage(f"file://{tmp_path / 'store'}")
+    size, sha = storage.put_stream(iter([b"x" * 1000]), "k/w.bin")
+    files = [("w.bin", size, sha, "k/w.bin")]
+    cache = tmp_path / "cache"
+    staged = {i: stage_folder(storage, cache, i, f"step-{i}", files).parent for i in (1, 2, 3)}
+    for i, folder in staged.items():  # used an hour or more ago, 3 the most recently
+        os.utime(folder, (1_000_000 + i, 1_000_000 + i))
+    (cache / "x.pt").write_bytes(b"y" * 500)  # a file checkpoint counts in the same cap
+    prune_folders(cache, 2600, keep=staged[3])
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == ["folder-2", "folder-3"]
+    os.utime(staged[2])  # just used: a node may be reading it
+    prune_folders(cache, 0, keep=staged[3])
+    assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == ["folder-2", "folder-3"]
+    prune_folders(cache, 0, keep=staged[3], min_idle_s=0)
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".pt")) == ["folder-3"]
