@@ -129,7 +129,11 @@ def end_attempt(session: Session, job: Job, exit_code: int | None, error: str, r
     job.exit_code, job.error = exit_code, error
     for run in repo.runs_of(session, job.id, job.attempt):
         transition_node(run, NodeState.LOST)
-    if retryable and job.attempt - (job.free_attempts or 0) <= job.max_retries:  # (§12: preemptions free)
+    if job.stop_intent is not None:  # asked to stop early (§13): this end is that stop, not a retry
+        how = _summary(exit_code, error)
+        job.exit_code, job.error = 0, None
+        transition_job(session, job, SUCCEEDED, f"stopped early; its nodes ended: {how}")
+    elif retryable and job.attempt - (job.free_attempts or 0) <= job.max_retries:  # (§12: preemptions free)
         transition_job(session, job, QUEUED, f"retrying after: {_summary(exit_code, error)}")
         job.attempt += 1
         job.pending_reason = "waiting for the scheduler"

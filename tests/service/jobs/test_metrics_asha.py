@@ -251,3 +251,29 @@ def test_a_lost_review_is_made_up_by_the_scheduler_pass(db: Database) -> None:
     assert (job_row(db, parent).sweep or {})["best"]["job_id"] == a
     with db.transaction() as s:
         assert review_sweeps(s) == 0
+
+
+def test_a_child_whose_stop_fails_ends_stopped_early_and_is_not_retried(db: Database) -> None:
+    """Its nodes fail while they stop (a rank crashing on SIGTERM, a host lost): the stop was
+    what was asked, so the child ends `succeeded` with `stopped_early`, and is not queued again
+    only to be stopped at once."""
+    from service.jobs.lifecycle import finish_node
+    from service.nodes.values import NodeOutcome
+    from service.states import NodeState
+    from tests.factories import make_node_run
+
+    parent, (a, b, c) = make_sweep(db, 3)
+    with db.transaction() as s:
+        child = s.get(Job, c)
+        assert child is not None
+        child.max_retries = 3
+        make_node_run(s, child, "running", node_rank=0, worker_name="w")
+    for job, value in ((a, 0.5), (b, 0.9), (c, 0.7)):
+        write_batch(db, key(job), epoch_end(1, value))
+    assert job_row(db, c).stop_intent == "early_stop"
+    with db.transaction() as s:
+        outcome = NodeOutcome(state=NodeState.FAILED, exit_code=-9, error="killed", retryable=True)
+        finish_node(s, c, 1, 0, outcome)
+    stopped = job_row(db, c)
+    assert (stopped.state, stopped.attempt, stopped.error) == (JobState.SUCCEEDED, 1, None)
+    assert stopped.stopped_early == {"epoch": 1, "value": 0.7}
