@@ -710,6 +710,24 @@
     badge.className = `badge ${job.state}`;
     badge.textContent = job.state;
     $("job-cancel").hidden = TERMINAL.has(job.state) || job.state === "cancelling";
+    renderExec(job);
+  }
+
+  // Contract §14: the command that looks into a running job, to copy into a terminal.
+  function renderExec(job) {
+    const running = job.state === "running";
+    const command = `torchjobs exec ${job.id} -- ps -ef`;
+    $("job-exec-copy").hidden = !running;
+    $("job-exec-line").hidden = !running;
+    $("job-exec").textContent = command;
+    $("job-exec-copy").onclick = async () => {
+      try {
+        await navigator.clipboard.writeText(command);
+        $("job-exec-copy").textContent = "Copied";
+      } catch (err) {
+        window.getSelection().selectAllChildren($("job-exec"));  // no clipboard: selected to copy by hand
+      }
+    };
   }
 
   function renderProgress(job) {

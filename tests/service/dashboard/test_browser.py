@@ -190,16 +190,21 @@ def _submit_watch_chart_logs_and_download(stack: Stack, page: Any, tmp_path: Pat
     # The chart fills in from the event stream while the job runs, not only at its end.
     chart = page.locator("#chart")
     seen_live: list[int] = []
+    exec_lines: list[str] = []  # contract §14: the exec command offered while it runs
 
     def finished() -> str | None:
         state = page.inner_text("#job-state")
         points = int(chart.get_attribute("data-points") or 0)
         if state == "running" and points:
             seen_live.append(points)
+        if state == "running" and page.is_visible("#job-exec-copy"):
+            exec_lines.append(page.inner_text("#job-exec"))
         return state if state in TERMINAL else None
 
     assert wait_for(finished, 240, "the job to end on the page", interval=0.25) == "succeeded"
     assert seen_live, "the chart got no point while the job was running"
+    assert exec_lines and set(exec_lines) == {f"torchjobs exec {job_id} -- ps -ef"}, exec_lines
+    assert not page.is_visible("#job-exec-copy")  # ended: nothing to exec into
     final_points = wait_for(
         lambda: (
             int(chart.get_attribute("data-points") or 0) >= EPOCHS and int(chart.get_attribute("data-points"))
