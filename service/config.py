@@ -62,9 +62,13 @@ class Settings(BaseSettings):
     sandbox_user: str = "torchjobs-run"  # a root worker's ranks run as this user (else nobody)
     # (contract §7 v3) "private": a single-node job's sandbox has a network namespace of its
     # own (its ranks meet on its own loopback; no host service, no other job, and no route
-    # out); "host": every job on the host's network, as before v3. Multi-node jobs use the
-    # host's network either way (docs/security.md, "Network": what that leaves open).
-    job_network: Literal["private", "host"] = "private"
+    # out); "routed": the same namespace with a routed veth of its own, the world reachable and
+    # the host, other jobs and private ranges walled (a root worker with nftables:
+    # workers/launcher/job_network.py); "host": every job on the host's network, as before v3.
+    # Multi-node jobs use the host's network either way (docs/security.md, "Network").
+    job_network: Literal["private", "routed", "host"] = "private"
+    job_subnet: str = "10.213.0.0/16"  # "routed": a /30 of it per job node on each host
+    job_network_allow: str = ""  # "routed": CIDR or CIDR:PORT, comma-separated, opened in the walled ranges
     # a root worker's job nodes each run as a uid of their own from this range (never reused
     # while a process of it lives; workers/launcher/uids.py); "off": all as sandbox_user
     job_uids: str = "2000000000-2099999999"

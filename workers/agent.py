@@ -32,7 +32,7 @@ from workers.celery_app import make_celery
 from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
 from workers.environments import envs_root
-from workers.launcher import cgroups, devices, sandbox, uids
+from workers.launcher import cgroups, devices, job_network, sandbox, uids
 from workers.launcher.command import NodePaths, code_folders, passthrough
 from workers.launcher.jobfiles import remove_tree
 from workers.launcher.procs import kill_under
@@ -108,7 +108,7 @@ def spare_sandboxes(ctx: WorkerContext) -> SpareSandboxes:
         spares_root=ctx.run_root / ".spares",
         tmp_root=Path(tempfile.gettempdir()),
         python=sys.executable,
-        private_network=ctx.settings.job_network == "private",
+        private_network=ctx.settings.job_network in ("private", "routed"),
         uids=ctx.uids,
     )
 
@@ -132,6 +132,20 @@ def announce_isolation(iso: Isolation, settings: Settings) -> None:
     else:
         log.warning("ranks cannot be sandboxed here (%s): this worker takes only the admin's jobs "
                     "(TORCHJOBS_ALLOW_UNISOLATED=true takes everyone's)", iso.detail)  # fmt: skip
+
+
+def prepare_job_network(iso: Isolation, settings: Settings) -> None:
+    """`TORCHJOBS_JOB_NETWORK=routed`: the host's rules and forwarding, or the worker does not
+    start (a job must never get a weaker wall than the admin asked for)."""
+    if settings.job_network != "routed":
+        return
+    if not iso.sandboxed:
+        raise SystemExit("TORCHJOBS_JOB_NETWORK=routed needs the sandbox, and ranks cannot be sandboxed here")
+    try:
+        job_network.prepare_host(settings.job_subnet, settings.job_network_allow)
+    except job_network.NetworkUnavailable as exc:
+        raise SystemExit(f"TORCHJOBS_JOB_NETWORK=routed: {exc}") from exc
+    log.info("single-node jobs get routed networks from %s (nftables: inet torchjobs)", settings.job_subnet)
 
 
 class Heartbeat(threading.Thread):
@@ -184,6 +198,7 @@ def run_worker(
     ctx.isolation = sandbox.detect(settings.sandbox, settings.sandbox_user)
     ctx.uids, ctx.isolation = job_uids(ctx.isolation, settings)
     announce_isolation(ctx.isolation, settings)
+    prepare_job_network(ctx.isolation, settings)
     ctx.rank_base_env = passthrough(os.environ, settings.rank_env_allow)
     if ctx.isolation.sandboxed:  # the Python environment, script roots, a passed PYTHONPATH
         folders = code_folders(settings.script_root_paths, ctx.rank_base_env)

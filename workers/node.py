@@ -187,8 +187,8 @@ def _launch(
         code_dir=code_dir,
         site_first=_environment(ctx, key, claimed.pip, run_dir) if claimed.pip else None,
         worker_slots=ctx.gpus,
-        private_network=ctx.settings.job_network
-        == "private",  # a CPU rank takes its slots' share of the cores (runtime/cpus.py)
+        private_network=ctx.settings.job_network in ("private", "routed"),
+        routed_subnet=ctx.settings.job_subnet if ctx.settings.job_network == "routed" else None,
     )
 
 

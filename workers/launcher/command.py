@@ -68,6 +68,7 @@ class NodeLaunch:
     # how many slots the worker has (CPU: its cores are shared out among them); 0: not told
     worker_slots: int = 0
     private_network: bool = False  # (sandboxed, single-node) a network namespace of its own
+    routed_subnet: str | None = None  # ...with a routed veth from this subnet (job_network.py)
     # contract §12: what torchrun waits between the SIGTERM it forwards and its SIGKILL (its
     # own default, 30 s, would cut a multi-GB checkpoint written in the job's grace)
     stop_grace_s: int = 120
@@ -145,6 +146,7 @@ class LaunchPlan:
     resume: str | None = None  # the resume file, on the worker's side
     code_dir: Path | None = None  # the job's unpacked code, copied to `paths.workdir` by prepare()
     private_network: bool = False  # its sandbox has a network namespace of its own
+    routed_subnet: str | None = None  # and the worker plumbs a routed veth into it (job_network.py)
 
     @property
     def sandboxed(self) -> bool:
@@ -250,6 +252,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         owner=iso.owner,
         code_dir=launch.code_dir,
         private_network=mounts.private_network,
+        routed_subnet=launch.routed_subnet if mounts.private_network else None,
     )
 
 

@@ -30,7 +30,7 @@ from service.nodes.values import (
     NodeOutcome,
 )
 from service.states import JobState, NodeState
-from workers.launcher import disk, stall_report
+from workers.launcher import disk, job_network, stall_report
 from workers.launcher.agents import WarmAgentPool
 from workers.launcher.cgroups import NodeGroup
 from workers.launcher.clocks import LOST_PEERS, STALL, TIME_LIMIT, NodeClock
@@ -222,6 +222,7 @@ class NodeSupervisor:
         with self.agents.node_running():
             proc = self.agents.launch(self.plan, self.prepare, self.group)
             try:
+                self._plumb_network(proc)
                 rc = self._watch(proc)
             finally:
                 self._kill_all(proc)
@@ -231,6 +232,14 @@ class NodeSupervisor:
             return self._outcome(rc)
         finally:
             self._close_files()
+
+    def _plumb_network(self, proc: subprocess.Popen[bytes]) -> None:
+        """A routed job network (TORCHJOBS_JOB_NETWORK=routed): the sandbox's veth, from outside."""
+        if self.plan.routed_subnet is None:
+            return
+        attached = job_network.attach(proc.pid, self.plan.routed_subnet)
+        log.info("job %s node %s: network %s via %s", self.key.job_id, self.key.node_rank,
+                 attached.job_address, attached.host_if)  # fmt: skip
 
     def _close_files(self) -> None:
         for logs in self.rank_logs:

@@ -1,0 +1,64 @@
+"""Contract §7 v3 with `TORCHJOBS_JOB_NETWORK=routed`, through a real stack (PostgreSQL, Redis, a
+real worker running as root, the real sandbox): a job reaches a "world" host beyond this one
+and neither the host's PostgreSQL (on its loopback, its gateway or its world-side address)
+nor a private range; a DDP job still meets on its own loopback and trains."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from service.testing import harness
+from service.testing.harness import Stack, script_job
+from tests.workers.launcher.test_job_network import WORLD, WORLD_GATEWAY, WORLD_PORT, world
+
+__all__ = ["world"]  # the fixture: a host beyond this one, answering "world"
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a routed job network needs a root worker")
+
+
+@pytest.fixture
+def stack(tmp_path: Path, pg_url: str, redis_url: str, world: str) -> Iterator[Stack]:
+    s = harness.production_stack(
+        tmp_path, pg_url, redis_url, workers={"r1": 2}, TORCHJOBS_JOB_NETWORK="routed"
+    )
+    yield s
+    s.stop()
+
+
+def probe(stack: Stack, *targets: str) -> dict[str, str]:
+    job = stack.submit(script_job("net_probe.py", *targets))
+    done = stack.wait_job(job["id"], timeout=120)
+    assert done["state"] == "succeeded", stack.describe(job["id"])
+    with stack.client() as c:
+        log = c.get(f"/v1/jobs/{job['id']}/logs", params={"node": 0, "rank": 0}).text
+    line = next(x for x in log.splitlines() if x.startswith("PROBE "))
+    return json.loads(line.removeprefix("PROBE "))
+
+
+def test_a_routed_job_reaches_the_world_but_no_host_service(stack: Stack, pg_url: str) -> None:
+    pg_port = urlparse(pg_url).port or 5432
+    world_target = f"{WORLD}:{WORLD_PORT}"
+    walled = (f"GATEWAY:{pg_port}", f"{WORLD_GATEWAY}:{pg_port}", "10.255.255.1:80")
+    seen = probe(stack, world_target, f"127.0.0.1:{pg_port}", *walled)
+    assert seen[world_target] == "world", seen
+    assert seen[f"127.0.0.1:{pg_port}"] == "ConnectionRefusedError", seen  # its own loopback
+    for target in walled:
+        assert seen[target] in ("TimeoutError", "OSError"), (target, seen)
+
+
+def test_a_ddp_job_meets_on_its_own_loopback_and_trains(stack: Stack) -> None:
+    job = stack.submit(
+        {
+            "mode": "ddp",
+            "gpus_per_node": 2,
+            "entrypoint": {"kind": "builtin", "model": "mlp", "dataset": "synthetic"},
+            "hyperparameters": {"epochs": 1, "synthetic_size": 256, "num_workers": 0},
+        }
+    )
+    done = stack.wait_job(job["id"], timeout=180)
+    assert done["state"] == "succeeded", stack.describe(job["id"])

@@ -1,0 +1,252 @@
+"""A sandboxed node's routed network (contract §7 v3, `TORCHJOBS_JOB_NETWORK=routed`), for real:
+two real sandboxes (bubblewrap, each its own network namespace) plumbed by
+`workers.launcher.job_network`, a "world" host in a network namespace of its own beyond the
+host (in 198.18.0.0/15, a range no rule walls), and a service listening on the host. Each job
+reaches the world; neither reaches the host's service (on the address it routes through, nor
+on any other of the host's addresses), nor the other job, nor a private range.
+
+Runs as root (CI does), with `nft` (.ci/setup installs nftables) and `ip`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from workers.launcher import job_network, procs, sandbox
+from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plumbs network namespaces as root")
+SUBNET = "10.213.0.0/16"
+WORLD_PORT = 18080
+NET = os.getpid() % 250  # 198.18.NET.0/24: each test process its own world (xdist runs several)
+WORLD = f"198.18.{NET}.2"
+WORLD_GATEWAY = f"198.18.{NET}.1"
+
+PROBE = r"""
+import json, socket, sys, time
+def reach(host, port, timeout=2.0):
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            return s.recv(16).decode() or "connected"
+    except OSError as exc:
+        return type(exc).__name__
+world, host_port, targets = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+deadline = time.monotonic() + 15
+seen = reach(world, 18080)
+while seen != "world" and time.monotonic() < deadline:  # the veth comes a moment after the start
+    time.sleep(0.1)
+    seen = reach(world, 18080)
+print(json.dumps({"world": seen, **{name: reach(addr, port) for name, (addr, port) in targets.items()}}))
+"""
+
+LISTEN = r"""
+import socket, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 9000)); s.listen()
+s.settimeout(60)
+try:
+    while True:
+        c, _ = s.accept(); c.sendall(b"job"); c.close()
+except OSError:
+    pass
+"""
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def world() -> Iterator[str]:
+    """A host beyond this one: a network namespace reached through a veth, answering "world"."""
+    if not (shutil.which("nft") and shutil.which("ip") and shutil.which("nsenter")):
+        pytest.fail("nft, ip and nsenter are needed (bash .ci/setup installs nftables)")
+    tag = f"{os.getpid() % 100000}"
+    ns, outer, inner = f"tjw{tag}", f"tjwh{tag}", f"tjwn{tag}"
+    _ip("netns", "add", ns)
+    try:
+        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        _ip("link", "set", inner, "netns", ns)
+        _ip("addr", "add", f"{WORLD_GATEWAY}/24", "dev", outer)
+        _ip("link", "set", outer, "up")
+        for cmd in (
+            ["addr", "add", f"{WORLD}/24", "dev", inner],
+            ["link", "set", inner, "up"],
+            ["link", "set", "lo", "up"],
+            ["route", "add", "default", "via", WORLD_GATEWAY],
+        ):
+            _ip("-n", ns, *cmd)
+        server = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                sys.executable,
+                "-c",
+                LISTEN.replace('b"job"', 'b"world"').replace("9000", str(WORLD_PORT)),
+            ],
+        )
+        try:
+            yield ns
+        finally:
+            server.kill()
+            server.wait()
+    finally:
+        subprocess.run(["ip", "link", "del", outer], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture
+def host_service() -> Iterator[int]:
+    """A service on the host (as PostgreSQL or Redis would be), on every address."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("0.0.0.0", 0))
+    server.listen()
+    server.settimeout(0.5)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            conn.sendall(b"host")
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def _sandbox(tmp_path: Path, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    bwrap = sandbox.find_bwrap()
+    assert bwrap, "bubblewrap is a dependency of torchjobs"
+    iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap=bwrap, uid=65534, gid=65534)
+    run = tmp_path / name
+    run.mkdir()
+    (run / ENV_FILE).write_text(json.dumps({"PATH": "/usr/bin:/bin"}))
+    for path in (run, run / ENV_FILE):
+        os.chown(path, 65534, 65534)
+    mounts = Mounts(
+        run_dir=run, tmp_dir=run, read_only=sandbox.python_paths(sys.executable), private_network=True
+    )
+    wrapped = sandbox.wrap(argv, iso, mounts, sys.executable)
+    return subprocess.Popen(wrapped, env={}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_a_job_reaches_the_world_and_not_the_host_nor_another_job(
+    tmp_path: Path, world: str, host_service: int
+) -> None:
+    job_network.prepare_host(SUBNET)
+    other = _sandbox(tmp_path, "other", [sys.executable, "-c", LISTEN])
+    try:
+        other_net = job_network.attach(other.pid, SUBNET)
+        targets = {
+            "host_via_gateway": ["HOST", host_service],  # filled in below: the job's own gateway
+            "host_world_side": [WORLD_GATEWAY, host_service],
+            "own_loopback": ["127.0.0.1", host_service],
+            "other_job": [other_net.job_address, 9000],
+            "private_range": ["10.255.255.1", 80],
+        }
+        probe = _start_probe(tmp_path, targets, host_service)
+        out, err = probe.communicate(timeout=60)
+        seen = json.loads(out.decode().strip().splitlines()[-1])
+    finally:
+        _end(other)
+    assert seen["world"] == "world", (seen, err.decode()[-2000:])
+    for name in ("host_via_gateway", "host_world_side", "other_job", "private_range"):
+        assert seen[name] in ("TimeoutError", "timeout", "ConnectionRefusedError", "OSError"), (name, seen)
+        assert seen[name] not in ("host", "job"), (name, seen)
+    assert seen["own_loopback"] == "ConnectionRefusedError"  # its own loopback: nothing listens there
+
+
+def _end(outer: subprocess.Popen[bytes]) -> None:
+    """The sandbox's PID 1 first (a namespace's init ignores what it has no handler for: only
+    SIGKILL ends it), then bwrap; its network namespace and veth go with it."""
+    ns = procs.sandbox_namespace(outer.pid)
+    for pid in procs.pids_in_namespace(ns) if ns else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    outer.kill()
+    outer.wait()
+
+
+def _start_probe(tmp_path: Path, targets: dict[str, list[object]], host_port: int) -> subprocess.Popen[bytes]:
+    """The probe, in its own sandbox; `HOST` becomes its gateway (the host's end of its veth),
+    which the probe learns from its default route."""
+    script = PROBE.replace(
+        "world, host_port, targets = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])",
+        "world, host_port, targets = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])\n"
+        "deadline0 = time.monotonic() + 15\n"
+        "gw = None\n"
+        "while gw is None and time.monotonic() < deadline0:\n"
+        "    for line in open('/proc/net/route').read().splitlines()[1:]:\n"
+        "        f = line.split()\n"
+        "        if f[1] == '00000000' and f[2] != '00000000':\n"
+        "            gw = socket.inet_ntoa(bytes.fromhex(f[2])[::-1])\n"
+        "    time.sleep(0.05)\n"
+        "targets = {k: [gw if a == 'HOST' else a, p] for k, (a, p) in targets.items()}\n",
+    )
+    proc = _sandbox(
+        tmp_path, "probe-run", [sys.executable, "-c", script, WORLD, str(host_port), json.dumps(targets)]
+    )
+    job_network.attach(proc.pid, SUBNET)
+    return proc
+
+
+def test_the_rules_wall_private_ranges_and_other_jobs_and_masquerade_the_rest() -> None:
+    text = job_network.rules(SUBNET)
+    assert 'iifname "tjh*" drop' in text  # input: nothing from a job reaches the host itself
+    assert 'iifname "tjh*" oifname "tjh*" drop' in text
+    assert "169.254.0.0/16" in text and "10.0.0.0/8" in text
+    assert f'ip saddr {SUBNET} oifname != "tjh*" masquerade' in text
+    assert text.startswith("add table inet torchjobs\ndelete table inet torchjobs\n")  # whole, at once
+
+
+def test_the_admin_opens_ranges_and_ports_in_the_walled_ones() -> None:
+    allow = job_network.allowances("10.1.2.0/24, 192.168.5.7:443")
+    assert allow == [("10.1.2.0/24", None), ("192.168.5.7/32", 443)]
+    text = job_network.rules(SUBNET, allow)
+    opened = text.index('iifname "tjh*" ip daddr 10.1.2.0/24 accept')
+    assert "ip daddr 192.168.5.7/32 meta l4proto { tcp, udp } th dport 443 accept" in text
+    assert opened < text.index("ip daddr { 10.0.0.0/8")  # before the wall
+    for bad in ("10.1.2.0/33", "x", "10.0.0.1:0", "fe80::/64"):
+        with pytest.raises(job_network.NetworkUnavailable, match="CIDR"):
+            job_network.allowances(bad)
+    job_network.prepare_host(SUBNET, "10.1.2.0/24,192.168.5.7:443")  # nft takes it
+    listed = subprocess.run(["nft", "list", "table", "inet", "torchjobs"], capture_output=True, text=True)
+    assert "192.168.5.7 meta l4proto { tcp, udp } th dport 443 accept" in listed.stdout, listed.stdout
+    job_network.prepare_host(SUBNET)  # as the other tests expect it
+
+
+def test_a_worker_asked_for_a_routed_network_it_cannot_give_does_not_start() -> None:
+    from service.config import Settings
+    from workers.agent import prepare_job_network
+    from workers.launcher.sandbox import UNISOLATED
+
+    bwrap = sandbox.find_bwrap()
+    iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap=bwrap, uid=65534, gid=65534)
+    with pytest.raises(SystemExit, match="needs the sandbox"):
+        prepare_job_network(UNISOLATED, Settings(job_network="routed"))
+    with pytest.raises(SystemExit, match="at least a /30"):
+        prepare_job_network(iso, Settings(job_network="routed", job_subnet="10.213.0.0/31"))
+    with pytest.raises(SystemExit, match="TORCHJOBS_JOB_NETWORK_ALLOW"):
+        prepare_job_network(iso, Settings(job_network="routed", job_network_allow="nowhere"))
+    prepare_job_network(iso, Settings(job_network="private"))  # nothing asked, nothing done

@@ -1,0 +1,204 @@
+"""A sandboxed node's routed network (contract §7 v3, `TORCHJOBS_JOB_NETWORK=routed`).
+
+The node's sandbox has a network namespace of its own (`bwrap --unshare-net`), as in the
+`private` mode; here the worker then plumbs a veth pair into it: `tjhN` on the host with the
+first address of a /30 from `TORCHJOBS_JOB_SUBNET`, `eth0` inside with the second and a default
+route through the first. One nftables table, `inet torchjobs`, the same for every node of the
+host (written whole at worker start, so several workers on one host agree), walls it:
+
+- **input**: nothing from a job's veth reaches the host itself (any of its addresses, any
+  port: PostgreSQL, Redis, the API, another job's torchrun store on the host network);
+- **forward**: no job reaches another job's veth, nor a private, shared, link-local (cloud
+  metadata) or loopback range anywhere, where a cluster's own services live, but what the
+  admin opens (`TORCHJOBS_JOB_NETWORK_ALLOW`); the rest (the world) is routed and
+  masqueraded, and only replies come back in. No IPv6 is routed.
+
+Why a veth and not user-mode NAT (`pasta`, `slirp4netns`) or uid-matching rules on the host
+network: ARCHITECTURE.md, "A job's network". The plumbing happens right after the sandbox
+starts, from outside: the ranks find the world reachable a moment after their start (their own
+loopback, the rendezvous of a single-node job, is there from the first instant). Multi-node
+jobs stay on the host network (their ranks advertise addresses the other hosts must reach).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import random
+import subprocess
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("torchjobs.worker")
+
+TABLE = "torchjobs"
+HOST_IF = "tjh"  # + the slot's index in hex: the host end of a node's veth
+PEER_IF = "tjj"  # its other end, renamed eth0 inside the sandbox
+WALLED = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16", "127.0.0.0/8")
+ATTACH_WAIT_S = 10.0
+
+
+class NetworkUnavailable(Exception):
+    """The host cannot give routed job networks (not root, no `nft` or `ip`, no forwarding)."""
+
+
+def allowances(text: str) -> list[tuple[str, int | None]]:
+    """`TORCHJOBS_JOB_NETWORK_ALLOW`: "CIDR" or "CIDR:PORT" (TCP and UDP), comma-separated; what
+    the admin opens in the walled ranges (a data store on the private network, say)."""
+    out: list[tuple[str, int | None]] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        address, _, port = item.partition(":") if item.count(":") == 1 else (item, "", "")
+        bad = NetworkUnavailable(f"TORCHJOBS_JOB_NETWORK_ALLOW: {item!r} is not CIDR or CIDR:PORT")
+        try:
+            network = ipaddress.ip_network(address, strict=False)
+            number = int(port) if port else None
+        except ValueError as exc:
+            raise bad from exc
+        if network.version != 4 or (number is not None and not 0 < number < 65536):
+            raise bad
+        out.append((str(network), number))
+    return out
+
+
+def rules(subnet: str, allow: list[tuple[str, int | None]] | None = None) -> str:
+    """The whole `inet torchjobs` table, for `nft -f` (one transaction: never half written)."""
+    walled = ", ".join(WALLED)
+    jobs = f'iifname "{HOST_IF}*"'
+    opened = [
+        f"    {jobs} ip daddr {cidr} accept"
+        if port is None
+        else f"    {jobs} ip daddr {cidr} meta l4proto {{ tcp, udp }} th dport {port} accept"
+        for cidr, port in allow or []
+    ]
+    return "\n".join(
+        [
+            f"add table inet {TABLE}",
+            f"delete table inet {TABLE}",
+            f"table inet {TABLE} {{",
+            "  chain input {",
+            "    type filter hook input priority -10; policy accept;",
+            f"    {jobs} drop",
+            "  }",
+            "  chain forward {",
+            "    type filter hook forward priority -10; policy accept;",
+            f'    {jobs} oifname "{HOST_IF}*" drop',
+            *opened,
+            f"    {jobs} ip daddr {{ {walled} }} drop",
+            f"    {jobs} meta nfproto ipv6 drop",
+            f"    {jobs} accept",
+            f'    oifname "{HOST_IF}*" ct state established,related accept',
+            f'    oifname "{HOST_IF}*" drop',
+            "  }",
+            "  chain postrouting {",
+            "    type nat hook postrouting priority 100; policy accept;",
+            f'    ip saddr {subnet} oifname != "{HOST_IF}*" masquerade',
+            "  }",
+            "}",
+            "",
+        ]
+    )
+
+
+def prepare_host(subnet: str, allow: str = "") -> None:
+    """At worker start: the table, and IPv4 forwarding on (the host routes its jobs' traffic)."""
+    if os.geteuid() != 0:
+        raise NetworkUnavailable("TORCHJOBS_JOB_NETWORK=routed needs a worker running as root")
+    network = ipaddress.ip_network(subnet)
+    if network.version != 4 or network.prefixlen > 30:
+        raise NetworkUnavailable(f"TORCHJOBS_JOB_SUBNET {subnet!r}: an IPv4 network of at least a /30")
+    _run(["nft", "-f", "-"], rules(str(network), allowances(allow)))
+    try:
+        with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
+            fh.write("1\n")
+    except OSError as exc:
+        raise NetworkUnavailable(f"could not turn IPv4 forwarding on: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Attached:
+    """One node's veth: its host end's name, and the addresses of both ends."""
+
+    host_if: str
+    host_address: str
+    job_address: str
+
+
+def attach(outer_pid: int, subnet: str) -> Attached:
+    """Plumb a veth into the network namespace of the sandbox whose bwrap is `outer_pid`."""
+    inner = _sandbox_child(outer_pid)
+    network = ipaddress.ip_network(subnet)
+    slots = network.num_addresses // 4
+    start = random.randrange(slots)
+    for step in range(slots):
+        index = (start + step) % slots
+        name = f"{HOST_IF}{index:x}"
+        made = subprocess.run(
+            ["ip", "link", "add", name, "type", "veth", "peer", "name", f"{PEER_IF}{index:x}"],
+            capture_output=True,
+            text=True,
+        )
+        if made.returncode == 0:
+            break
+        if "exists" not in made.stderr:
+            raise NetworkUnavailable(f"could not make a veth pair: {made.stderr.strip()}")
+    else:
+        raise NetworkUnavailable(f"every /30 of {subnet} is in use on this host")
+    base = network.network_address + 4 * index
+    host, job = str(base + 1), str(base + 2)
+    try:
+        _run(["ip", "link", "set", f"{PEER_IF}{index:x}", "netns", str(inner)])
+        _run(["ip", "addr", "add", f"{host}/30", "dev", name])
+        _run(["ip", "link", "set", name, "up"])
+        inside = [
+            f"link set {PEER_IF}{index:x} name eth0",
+            f"addr add {job}/30 dev eth0",
+            "link set eth0 up",
+            "link set lo up",
+            f"route add default via {host}",
+        ]
+        _run(["nsenter", f"--net=/proc/{inner}/ns/net", "ip", "-batch", "-"], "\n".join(inside) + "\n")
+    except NetworkUnavailable:
+        subprocess.run(["ip", "link", "del", name], capture_output=True)
+        raise
+    return Attached(host_if=name, host_address=host, job_address=job)
+
+
+def _sandbox_child(outer_pid: int) -> int:
+    """The sandbox's first process (bwrap's child, in its own network namespace)."""
+    mine = _netns("self")
+    deadline = time.monotonic() + ATTACH_WAIT_S
+    while time.monotonic() < deadline:
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and _parent(entry) == outer_pid:
+                ns = _netns(entry)
+                if ns is not None and ns != mine:
+                    return int(entry)
+        time.sleep(0.02)
+    raise NetworkUnavailable(f"the sandbox of process {outer_pid} has no network namespace of its own")
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return int(fh.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _netns(pid: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None
+
+
+def _run(argv: list[str], stdin: str | None = None) -> None:
+    try:
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetworkUnavailable(f"{argv[0]}: {exc}") from exc
+    if done.returncode != 0:
+        raise NetworkUnavailable(f"{' '.join(argv[:3])}: {done.stderr.strip()}")
