@@ -284,6 +284,13 @@ BENCHMARKS = [
     Bench("scheduler", [PY, "-m", "bench.scheduler"], [PY, "-m", "bench.scheduler", "--smoke"]),
     Bench("sweep", [PY, "-m", "bench.sweep"], [PY, "-m", "bench.sweep", "--smoke"]),
     Bench(
+        "resize",
+        [PY, "-m", "bench.resize"],
+        [PY, "-m", "bench.resize", "--smoke"],
+        timeout_full=1800,
+        timeout_smoke=900,
+    ),
+    Bench(
         "scale",
         [PY, "-m", "bench.scale", "--doc", "docs/scaling.md"],
         [PY, "-m", "bench.scale", "--smoke"],

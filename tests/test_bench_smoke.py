@@ -29,6 +29,7 @@ BENCHMARKS = (
     "api",
     "scheduler",
     "sweep",
+    "resize",
     "scale",
     "events",
     "checkpoint",
