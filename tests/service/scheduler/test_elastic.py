@@ -133,6 +133,13 @@ def test_below_its_fewest_nodes_it_waits_in_the_queue(db: Database) -> None:
     assert waiting.state == JobState.QUEUED and "needs 2 nodes" in (waiting.pending_reason or "")
 
 
+def node_0_fails(db: Database, job_id: int, exit_code: int, error: str) -> None:
+    """Node 0 of attempt 1 reports a (retryable) failure, as its supervisor would."""
+    outcome = NodeOutcome(state=NodeState.FAILED, exit_code=exit_code, error=error, retryable=True)
+    with db.transaction() as s:
+        finish_node(s, job_id, 1, 0, outcome)
+
+
 def test_a_peer_failing_first_is_held_until_the_lost_host_is_known(db: Database) -> None:
     """Its peers' collectives fail at once; the host is known lost only when its heartbeats
     stop. The failure waits for that verdict: a resize, not a failed job."""
@@ -140,14 +147,7 @@ def test_a_peer_failing_first_is_held_until_the_lost_host_is_known(db: Database)
     job_id = submit_elastic(db, 2, 3, max_retries=0)
     schedule(db)
     start(db, job_id)
-    with db.transaction() as s:
-        finish_node(
-            s,
-            job_id,
-            1,
-            0,
-            NodeOutcome(state=NodeState.FAILED, exit_code=1, error="peer gone", retryable=True),
-        )
+    node_0_fails(db, job_id, 1, "peer gone")
     held = job(db, job_id)
     assert held.state == JobState.RUNNING and held.resize_reason == "node failed"
     worker_gone(db, "c")
@@ -164,14 +164,7 @@ def test_a_failure_with_no_lost_host_fails_as_it_would_have(db: Database) -> Non
     job_id = submit_elastic(db, 2, 2, max_retries=0)
     schedule(db)
     start(db, job_id)
-    with db.transaction() as s:
-        finish_node(
-            s,
-            job_id,
-            1,
-            0,
-            NodeOutcome(state=NodeState.FAILED, exit_code=3, error="bad step", retryable=True),
-        )
+    node_0_fails(db, job_id, 3, "bad step")
     end_live_nodes(db, job_id, NodeState.FAILED)
     failed = job(db, job_id)
     assert (failed.state, failed.exit_code, failed.error) == (JobState.FAILED, 3, "bad step")
