@@ -315,3 +315,15 @@ def parse_ts(value: str) -> float:
     if stamp.tzinfo is None:
         stamp = stamp.replace(tzinfo=dt.UTC)
     return stamp.timestamp()
+
+
+def failure_notes(label: str, runs: Sequence[dict[str, Any]]) -> list[str]:
+    """A note per run that gave no figure, with its error's first line: a figure from fewer
+    runs than asked says so."""
+    notes = []
+    for i, run in enumerate(runs):
+        if "error" in run:
+            text = run["error"].strip()
+            first_line = text.splitlines()[0][:300] if text else "?"
+            notes.append(f"FAILED: {label} run {i + 1}: {first_line}")
+    return notes

@@ -48,6 +48,7 @@ from bench.common import (
     REPO,
     all_events,
     embedded_stack,
+    failure_notes,
     figure,
     parse_ts,
     print_figures,
@@ -461,10 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     for setup, data in results.items():
         for kind, sides in data.items():
             for side, runs in sides.items():
-                for i, r in enumerate(runs):
-                    if "error" in r:
-                        first_line = r["error"].strip().splitlines()[0][:300] if r["error"].strip() else "?"
-                        result["notes"].append(f"FAILED: {setup} {kind} {side} run {i + 1}: {first_line}")
+                result["notes"].extend(failure_notes(f"{setup} {kind} {side}", runs))
     write_result(args.json, result)
     print_figures(result)
     return 0

@@ -46,6 +46,7 @@ from typing import Any
 
 from bench.common import (
     REPO,
+    failure_notes,
     figure,
     parse_ts,
     print_figures,
@@ -471,10 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for figure_name, sides in (("preemption", preempt), ("lost node", lost)):
         for side, runs in sides.items():
-            for i, r in enumerate(runs):
-                if "error" in r:
-                    first_line = r["error"].strip().splitlines()[0][:300] if r["error"].strip() else "?"
-                    result["notes"].append(f"FAILED: {figure_name} {side} run {i + 1}: {first_line}")
+            result["notes"].extend(failure_notes(f"{figure_name} {side}", runs))
     write_result(args.json, result)
     print_figures(result)
     return 0
