@@ -27,6 +27,7 @@ BENCHMARKS = (
     "sandbox",
     "environment",
     "api",
+    "metrics",
     "scheduler",
     "sweep",
     "resize",
