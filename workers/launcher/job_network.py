@@ -9,9 +9,12 @@ host (written whole at worker start, so several workers on one host agree), wall
 - **input**: nothing from a job's veth reaches the host itself (any of its addresses, any
   port: PostgreSQL, Redis, the API, another job's torchrun store on the host network);
 - **forward**: no job reaches another job's veth, nor a private, shared, link-local (cloud
-  metadata) or loopback range anywhere, where a cluster's own services live, but what the
-  admin opens (`TORCHJOBS_JOB_NETWORK_ALLOW`); the rest (the world) is routed and
-  masqueraded, and only replies come back in. No IPv6 is routed.
+  metadata), loopback or multicast range anywhere, nor any network the host has an address in
+  (its LAN: the cluster's other hosts, whatever their addresses), where a cluster's own
+  services live, but what the admin opens (`TORCHJOBS_JOB_NETWORK_ALLOW`); the rest (the
+  world) is routed and masqueraded, and only replies come back in. No IPv6 is routed. A job
+  node holds at most `FLOWS_MAX` tracked connections (the host's conntrack table is shared:
+  one job filling it would stop new connections host-wide).
 
 Why a veth and not user-mode NAT (`pasta`, `slirp4netns`) or uid-matching rules on the host
 network: ARCHITECTURE.md, "A job's network". The plumbing happens right after the sandbox
@@ -22,6 +25,7 @@ jobs stay on the host network (their ranks advertise addresses the other hosts m
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -35,7 +39,18 @@ log = logging.getLogger("torchjobs.worker")
 TABLE = "torchjobs"
 HOST_IF = "tjh"  # + the slot's index in hex: the host end of a node's veth
 PEER_IF = "tjj"  # its other end, renamed eth0 inside the sandbox
-WALLED = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16", "127.0.0.0/8")
+WALLED = (
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",  # shared (carrier-grade NAT)
+    "169.254.0.0/16",  # link-local: the cloud metadata services
+    "127.0.0.0/8",
+    "168.63.129.16/32",  # Azure's wire server
+    "224.0.0.0/4",  # multicast
+    "255.255.255.255/32",
+)
+FLOWS_MAX = 4096  # tracked connections one job node may hold open: the host's conntrack table is shared
 ATTACH_WAIT_S = 10.0
 
 
@@ -63,9 +78,26 @@ def allowances(text: str) -> list[tuple[str, int | None]]:
     return out
 
 
-def rules(subnet: str, allow: list[tuple[str, int | None]] | None = None) -> str:
+def host_subnets() -> list[str]:
+    """Every IPv4 network the host has an address in (but the jobs' veths and loopback): its
+    LAN, where the cluster's other hosts and their services are, walled like the private
+    ranges whatever its addresses look like."""
+    done = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=30)
+    found = []
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        if len(fields) < 4 or fields[1].startswith(HOST_IF) or fields[1] == "lo" or fields[2] != "inet":
+            continue
+        with contextlib.suppress(ValueError):
+            found.append(str(ipaddress.ip_interface(fields[3]).network))
+    return sorted(set(found))
+
+
+def rules(
+    subnet: str, allow: list[tuple[str, int | None]] | None = None, extra_walled: list[str] | None = None
+) -> str:
     """The whole `inet torchjobs` table, for `nft -f` (one transaction: never half written)."""
-    walled = ", ".join(WALLED)
+    walled = ", ".join(_merged([*WALLED, *(extra_walled or [])]))
     jobs = f'iifname "{HOST_IF}*"'
     opened = [
         f"    {jobs} ip daddr {cidr} accept"
@@ -78,6 +110,9 @@ def rules(subnet: str, allow: list[tuple[str, int | None]] | None = None) -> str
             f"add table inet {TABLE}",
             f"delete table inet {TABLE}",
             f"table inet {TABLE} {{",
+            "  set flows {",  # each job address's open connections, counted by conntrack
+            "    type ipv4_addr; size 65535; flags dynamic;",
+            "  }",
             "  chain input {",
             "    type filter hook input priority -10; policy accept;",
             f"    {jobs} drop",
@@ -88,6 +123,7 @@ def rules(subnet: str, allow: list[tuple[str, int | None]] | None = None) -> str
             *opened,
             f"    {jobs} ip daddr {{ {walled} }} drop",
             f"    {jobs} meta nfproto ipv6 drop",
+            f"    {jobs} ct state new add @flows {{ ip saddr ct count over {FLOWS_MAX} }} drop",
             f"    {jobs} accept",
             f'    oifname "{HOST_IF}*" ct state established,related accept',
             f'    oifname "{HOST_IF}*" drop',
@@ -102,6 +138,12 @@ def rules(subnet: str, allow: list[tuple[str, int | None]] | None = None) -> str
     )
 
 
+def _merged(cidrs: list[str]) -> list[str]:
+    """Overlapping networks as one (nft refuses overlapping elements of an interval set)."""
+    networks = [ipaddress.ip_network(c) for c in cidrs]
+    return [str(n) for n in ipaddress.collapse_addresses(n for n in networks if n.version == 4)]
+
+
 def prepare_host(subnet: str, allow: str = "") -> None:
     """At worker start: the table, and IPv4 forwarding on (the host routes its jobs' traffic)."""
     if os.geteuid() != 0:
@@ -109,7 +151,7 @@ def prepare_host(subnet: str, allow: str = "") -> None:
     network = ipaddress.ip_network(subnet)
     if network.version != 4 or network.prefixlen > 30:
         raise NetworkUnavailable(f"TORCHJOBS_JOB_SUBNET {subnet!r}: an IPv4 network of at least a /30")
-    _run(["nft", "-f", "-"], rules(str(network), allowances(allow)))
+    _run(["nft", "-f", "-"], rules(str(network), allowances(allow), host_subnets()))
     try:
         with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
             fh.write("1\n")

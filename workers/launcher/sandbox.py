@@ -139,7 +139,7 @@ def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> li
     if mounts.identity is not None:  # over the host's: the node's uid has a name inside
         for name in ("passwd", "group"):
             args += ["--ro-bind", str(mounts.identity / name), f"/etc/{name}"]
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm"]
+    args += _kernel_views(mounts)
     for device in mounts.devices:
         args += ["--dev-bind-try", device, device]
     args += ["--bind", str(mounts.run_dir), str(RUN_DIR), "--bind", str(mounts.tmp_dir), "/tmp"]
@@ -160,6 +160,15 @@ def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> li
         args += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
     entry = [python, "-S", "-I", "-c", ENTRY, seccomp.program().hex(), str(RUN_DIR / ENV_FILE)]
     return [*args, *entry, *argv]
+
+
+def _kernel_views(mounts: Mounts) -> list[str]:
+    """A private /proc, /dev and /dev/shm; in a network namespace of its own, the host's
+    interfaces in /sys (other jobs' veths, their addresses and counters) hidden."""
+    args = ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm"]
+    if mounts.private_network:
+        args += ["--tmpfs", "/sys/class/net", "--tmpfs", "/sys/devices/virtual/net"]
+    return args
 
 
 def _system_binds() -> list[str]:

@@ -31,7 +31,10 @@ SUBNET = "10.213.0.0/16"
 WORLD_PORT = 18080
 NET = os.getpid() % 250  # 198.18.NET.0/24: each test process its own world (xdist runs several)
 WORLD = f"198.18.{NET}.2"
-WORLD_GATEWAY = f"198.18.{NET}.1"
+# the host's end of the world's link: an address of its own, not in the world's network (the
+# world is reached by a route, as through a default gateway; the host's connected networks,
+# its LAN, are walled)
+WORLD_GATEWAY = f"198.19.{NET}.1"
 
 PROBE = r"""
 import json, socket, sys, time
@@ -47,7 +50,10 @@ seen = reach(world, 18080)
 while seen != "world" and time.monotonic() < deadline:  # the veth comes a moment after the start
     time.sleep(0.1)
     seen = reach(world, 18080)
-print(json.dumps({"world": seen, **{name: reach(addr, port) for name, (addr, port) in targets.items()}}))
+import os
+views = {d: sorted(os.listdir(d)) for d in ("/sys/class/net", "/sys/devices/virtual/net")}
+reached = {name: reach(addr, port) for name, (addr, port) in targets.items()}
+print(json.dumps({"world": seen, "sys": views, **reached}))
 """
 
 LISTEN = r"""
@@ -78,12 +84,14 @@ def world() -> Iterator[str]:
     try:
         _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         _ip("link", "set", inner, "netns", ns)
-        _ip("addr", "add", f"{WORLD_GATEWAY}/24", "dev", outer)
+        _ip("addr", "add", f"{WORLD_GATEWAY}/32", "dev", outer)
         _ip("link", "set", outer, "up")
+        _ip("route", "add", f"{WORLD}/32", "dev", outer)
         for cmd in (
             ["addr", "add", f"{WORLD}/24", "dev", inner],
             ["link", "set", inner, "up"],
             ["link", "set", "lo", "up"],
+            ["route", "add", f"{WORLD_GATEWAY}/32", "dev", inner],
             ["route", "add", "default", "via", WORLD_GATEWAY],
         ):
             _ip("-n", ns, *cmd)
@@ -175,6 +183,8 @@ def test_a_job_reaches_the_world_and_not_the_host_nor_another_job(
         assert seen[name] in ("TimeoutError", "timeout", "ConnectionRefusedError", "OSError"), (name, seen)
         assert seen[name] not in ("host", "job"), (name, seen)
     assert seen["own_loopback"] == "ConnectionRefusedError"  # its own loopback: nothing listens there
+    # no interface of the host's (the other job's veth among them) in its /sys
+    assert seen["sys"] == {"/sys/class/net": [], "/sys/devices/virtual/net": []}, seen["sys"]
 
 
 def _end(outer: subprocess.Popen[bytes]) -> None:
@@ -250,3 +260,11 @@ def test_a_worker_asked_for_a_routed_network_it_cannot_give_does_not_start() -> 
     with pytest.raises(SystemExit, match="TORCHJOBS_JOB_NETWORK_ALLOW"):
         prepare_job_network(iso, Settings(job_network="routed", job_network_allow="nowhere"))
     prepare_job_network(iso, Settings(job_network="private"))  # nothing asked, nothing done
+
+
+def test_the_host_lan_is_walled_and_a_job_holds_a_bounded_number_of_flows() -> None:
+    text = job_network.rules(SUBNET, extra_walled=["192.0.2.0/24", "10.1.0.0/16"])
+    assert "192.0.2.0/24" in text and "10.1.0.0/16" not in text  # merged into 10.0.0.0/8
+    assert f"ip saddr ct count over {job_network.FLOWS_MAX} }} drop" in text
+    subnets = job_network.host_subnets()
+    assert subnets and not any(s.startswith("127.") for s in subnets), subnets
