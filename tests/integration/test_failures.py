@@ -142,7 +142,7 @@ def _killed_worker_retries(stack: Stack, sandboxed: bool, timed: bool = False) -
     stack.kill("worker-w1")
     for pid in agents:
         os.kill(pid, signal.SIGKILL)
-    if sandboxed:  # the agent is its sandbox's PID 1: the kernel ends every rank with it
+    if sandboxed:  # the agent is PID 1's child: PID 1 ends with it, and the kernel ends every rank
         wait_for(lambda: pids_of_job(job["id"], stack.home) == [] or None, 20, "the sandbox to be gone")
     else:
         assert pids_of_job(job["id"], stack.home)  # orphans: the ranks are still running

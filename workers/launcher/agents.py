@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from service.parent_death import dying_with_parent
+from workers.launcher import lifeline
 from workers.launcher.cgroups import NodeGroup
 from workers.launcher.command import LaunchPlan
 from workers.launcher.procs import kill_group, pids_in_namespace, sandbox_namespace
@@ -187,6 +188,7 @@ class WarmAgentPool:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                pass_fds=lifeline.pass_fds(),  # a sandbox's PID 1 watches it (unused outside one)
             )
 
     def _hand_over(self, proc: subprocess.Popen[bytes], data: bytes, log_path: Path) -> bool:

@@ -20,9 +20,9 @@ job's GPU device files, and the host network (the rendezvous needs it). Nothing 
 `TORCHJOBS_HOME`, the database, the token file, the storage root or another job's folder.
 
 The ranks' environment does not pass through bwrap's (a root bwrap would honour variables a
-user chose): it is written to a file in the run folder, and the first program inside reads
-it, arms PR_SET_PDEATHSIG (SIGTERM when the worker side goes away, so ranks checkpoint) and
-execs torchrun with exactly that environment.
+user chose): it is written to a file in the run folder, and the first program inside (the
+sandbox's PID 1) reads it and runs torchrun with exactly that environment. It stays as PID 1,
+watching the worker's lifeline (lifeline.py): when the worker dies, however, the sandbox ends.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.launcher import seccomp
+from workers.launcher import lifeline, seccomp
 
 log = logging.getLogger("torchjobs.worker")
 
@@ -57,15 +57,21 @@ ETC_FILES = (
     "protocols", "mime.types", "machine-id",
 )  # fmt: skip
 
-# The sandbox's first program: SIGTERM when bwrap's outer process goes (the worker died, or
-# stopped the node), the system-call filter (seccomp.py, given as hex; after no_new_privs, for
-# good), then torchrun with the environment from the file. `-S -I`: no site, no PYTHON*
-# variables; it costs one bare interpreter start (about 15 ms).
+# The sandbox's first program and its PID 1: the system-call filter (seccomp.py, given as hex;
+# after no_new_privs, for good), then torchrun with the environment from the file, in a child.
+# PID 1 stays, reaps, and watches the worker's lifeline (lifeline.py): at its end of file,
+# SIGTERM to everything in the sandbox and, after the grace, its own exit, with which the kernel
+# kills the rest. Its exit status is torchrun's (128 + the signal, as bwrap reports one).
+# `-S -I`: no site, no PYTHON* variables; it costs one bare interpreter start (about 15 ms).
 ENTRY = (
-    "import ctypes, json, os, signal, sys\n"
+    "import ctypes, json, os, select, signal, sys, time\n"
     "libc = ctypes.CDLL(None, use_errno=True)\n"
-    "libc.prctl(1, signal.SIGTERM)\n"  # PR_SET_PDEATHSIG
-    "prog = bytes.fromhex(sys.argv[1])\n"
+    "life, grace = int(sys.argv[1]), float(sys.argv[2])\n"
+    "try:\n"
+    "    os.fstat(life)\n"
+    "except OSError:\n"
+    "    sys.exit('torchjobs sandbox: no lifeline: start it with pass_fds=lifeline.pass_fds()')\n"
+    "prog = bytes.fromhex(sys.argv[3])\n"
     "if prog:\n"
     "    class Prog(ctypes.Structure): _fields_ = [('len', ctypes.c_ushort), ('filter', ctypes.c_char_p)]\n"
     "    fprog = Prog(len(prog) // 8, prog)\n"
@@ -73,8 +79,43 @@ ENTRY = (
     "    nnp = libc.prctl(38, ul(1), ul(0), ul(0), ul(0))\n"  # PR_SET_NO_NEW_PRIVS
     "    if nnp or libc.prctl(22, ul(2), ctypes.byref(fprog), ul(0), ul(0)):\n"  # SECCOMP_MODE_FILTER
     "        sys.exit('torchjobs sandbox: seccomp filter refused: ' + os.strerror(ctypes.get_errno()))\n"
-    "with open(sys.argv[2]) as fh: env = json.load(fh)\n"
-    "os.execve(sys.argv[3], sys.argv[3:], env)\n"
+    "with open(sys.argv[4]) as fh: env = json.load(fh)\n"
+    "wake_r, wake_w = os.pipe()\n"
+    "os.set_blocking(wake_w, False)\n"
+    "signal.set_wakeup_fd(wake_w)\n"
+    "signal.signal(signal.SIGCHLD, lambda *_: None)\n"
+    "child = os.fork()\n"
+    "if child == 0:\n"
+    "    signal.set_wakeup_fd(-1)\n"
+    "    signal.signal(signal.SIGCHLD, signal.SIG_DFL)\n"
+    "    for fd in (life, wake_r, wake_w): os.close(fd)\n"
+    "    try:\n"
+    "        os.execve(sys.argv[5], sys.argv[5:], env)\n"
+    "    except OSError as exc:\n"
+    "        os.write(2, ('torchjobs sandbox: %s: %s\\n' % (sys.argv[5], exc.strerror)).encode())\n"
+    "        os._exit(127)\n"
+    "deadline = None\n"
+    "while True:\n"
+    "    while True:\n"
+    "        try:\n"
+    "            pid, status = os.waitpid(-1, os.WNOHANG)\n"
+    "        except ChildProcessError:\n"
+    "            os._exit(1)\n"
+    "        if pid == 0:\n"
+    "            break\n"
+    "        if pid == child:\n"
+    "            code = os.waitstatus_to_exitcode(status)\n"
+    "            os._exit(code if code >= 0 else 128 - code)\n"
+    "    wait = None if deadline is None else deadline - time.monotonic()\n"
+    "    if wait is not None and wait <= 0:\n"
+    "        os._exit(128 + signal.SIGKILL)\n"
+    "    watched = [wake_r] if deadline is not None else [wake_r, life]\n"
+    "    ready = select.select(watched, [], [], wait)[0]\n"
+    "    if wake_r in ready:\n"
+    "        os.read(wake_r, 512)\n"
+    "    if life in ready and not os.read(life, 1):\n"  # the worker is gone
+    "        os.kill(-1, signal.SIGTERM)\n"
+    "        deadline = time.monotonic() + grace\n"
 )
 
 
@@ -158,7 +199,8 @@ def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> li
     if iso.method == "bwrap-setuid":
         args += [_setpriv(), f"--reuid={iso.uid}", f"--regid={iso.gid}", "--clear-groups"]
         args += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-    entry = [python, "-S", "-I", "-c", ENTRY, seccomp.program().hex(), str(RUN_DIR / ENV_FILE)]
+    entry = [python, "-S", "-I", "-c", ENTRY, str(lifeline.read_end()), str(lifeline.ORPHAN_GRACE_S)]
+    entry += [seccomp.program().hex(), str(RUN_DIR / ENV_FILE)]
     return [*args, *entry, *argv]
 
 
@@ -315,7 +357,9 @@ def _probe(iso: Isolation) -> str:
         probe = [sys.executable, "-S", "-c", "import os; print(os.getuid())"]  # the ranks' interpreter
         argv = wrap(probe, iso, mounts, sys.executable)
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={})
+            done = subprocess.run(
+                argv, capture_output=True, text=True, timeout=30, env={}, pass_fds=lifeline.pass_fds()
+            )
         except (OSError, subprocess.SubprocessError) as exc:
             return f"{exc.__class__.__name__}: {exc}"
     if done.returncode != 0:

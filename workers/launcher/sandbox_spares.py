@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.parent_death import dying_with_parent
+from workers.launcher import lifeline
 from workers.launcher.command import SYSTEM_PATH, LaunchPlan, resume_dir_of
 from workers.launcher.jobfiles import remove_tree
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts, wrap, write_identity
@@ -80,6 +81,7 @@ class SpareSandboxes:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
+                pass_fds=lifeline.pass_fds(),
             )
         except OSError:
             self.discard(dirs)

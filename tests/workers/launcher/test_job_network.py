@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.launcher import job_network, procs, sandbox
+from workers.launcher import job_network, lifeline, procs, sandbox
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plumbs network namespaces as root")
@@ -156,7 +156,9 @@ def _sandbox(tmp_path: Path, name: str, argv: list[str]) -> subprocess.Popen[byt
         run_dir=run, tmp_dir=run, read_only=sandbox.python_paths(sys.executable), private_network=True
     )
     wrapped = sandbox.wrap(argv, iso, mounts, sys.executable)
-    return subprocess.Popen(wrapped, env={}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        wrapped, env={}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=lifeline.pass_fds()
+    )
 
 
 def test_a_job_reaches_the_world_and_not_the_host_nor_another_job(

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from service.config import Settings
-from workers.launcher import sandbox
+from workers.launcher import lifeline, sandbox
 from workers.launcher.readable import SCRIPT_ROOTS, _checked_above, unreadable_for, warn_unreadable
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
 
@@ -135,7 +135,8 @@ def test_the_sandbox_agrees_with_the_check(base: Path) -> None:
     probe += "print(json.dumps(out))"
     argv = [sys.executable, "-c", probe, str(reachable), str(closed)]
     argv = sandbox.wrap(argv, iso, mounts, sys.executable)
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={})
+    fds = lifeline.pass_fds()
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={}, pass_fds=fds)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {str(reachable): True, str(closed): False}
     found = unreadable_for([reachable, closed], NOBODY, NOBODY, bound=read_only)

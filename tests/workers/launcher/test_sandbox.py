@@ -22,7 +22,7 @@ import pytest
 
 from service.nodes.values import NodeKey
 from service.testing.harness import free_port
-from workers.launcher import procs, sandbox
+from workers.launcher import lifeline, procs, sandbox
 from workers.launcher.command import NodeLaunch, build_launch, resume_dir_of
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
 from workers.launcher.sandbox_spares import SpareSandboxes
@@ -85,13 +85,15 @@ def test_a_sandbox_has_its_own_uid_view_and_processes(tmp_path: Path, method: st
     secret = str(tmp_path / "admin.token")
     mounts = _run_dir(tmp_path, iso, {"PATH": "/usr/bin:/bin", "SECRET": secret, "MINE": "1"})
     argv = sandbox.wrap([sys.executable, "-c", PROBE], iso, mounts, sys.executable)
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={"LEAK": "worker"})
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, env={"LEAK": "worker"}, pass_fds=lifeline.pass_fds()
+    )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     assert seen["uid"] == (65534 if method == "bwrap-setuid" else 1000)
     # the file's environment, nothing of bwrap's (LC_CTYPE: Python's own C-locale coercion)
     assert [k for k in seen["env"] if k != "LC_CTYPE"] == ["MINE", "PATH", "SECRET"]
-    assert seen["pids"] == [1]  # itself, PID 1 of its own namespace
+    assert seen["pids"] == [1, 2]  # the sandbox's PID 1 (sandbox.ENTRY) and itself
     assert seen["cwd"] == "/job" and seen["resume"] == "weights"
     assert not seen["resume_writable"] and not seen["prefix_writable"] and seen["job_writable"]
     assert not seen["secret_visible"]
@@ -103,19 +105,21 @@ def test_killing_pid_1_ends_the_whole_sandbox_even_what_ignores_sigterm(tmp_path
     mounts = _run_dir(tmp_path, iso, {"PATH": "/usr/bin:/bin"})
     stubborn = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
     stubborn += "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-    stubborn += "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'], start_new_session=True);"
+    stubborn += "signal.signal(signal.SIGTERM, signal.SIG_IGN); open(\\'/tmp/ready\\', \\'w\\').close(); "
+    stubborn += "time.sleep(600)'], start_new_session=True);"
     stubborn += "time.sleep(600)"
     argv = sandbox.wrap([sys.executable, "-c", stubborn], iso, mounts, sys.executable)
-    outer = subprocess.Popen(argv, env={}, start_new_session=True)
+    outer = subprocess.Popen(argv, env={}, start_new_session=True, pass_fds=lifeline.pass_fds())
     try:
         deadline = time.monotonic() + 30
         while True:
             ns = procs.sandbox_namespace(outer.pid)
             inside = procs.pids_in_namespace(ns) if ns else []
-            if len(inside) >= 2 or time.monotonic() > deadline:
+            ready = (mounts.tmp_dir / "ready").exists()  # both ignore SIGTERM by then
+            if (ready and len(inside) >= 3) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert len(inside) >= 2, "the sandbox's two processes did not start"
+        assert len(inside) >= 3, "the sandbox's PID 1 and two processes did not start"
         procs.signal_all(inside, signal.SIGTERM)  # ignored by both
         time.sleep(0.5)
         assert procs.pids_in_namespace(ns) == inside
@@ -129,6 +133,57 @@ def test_killing_pid_1_ends_the_whole_sandbox_even_what_ignores_sigterm(tmp_path
         assert procs.pids_in_namespace(ns) == []
     finally:
         outer.kill()
+
+
+# a worker: starts one sandbox, holds its lifeline, is SIGKILLed by the test
+WORKER = """
+import json, subprocess, sys, time
+from pathlib import Path
+from workers.launcher import lifeline, sandbox
+iso, run, read_only, argv = json.loads(sys.argv[1])
+mounts = sandbox.Mounts(run_dir=Path(run), tmp_dir=Path(run), read_only=tuple(read_only))
+wrapped = sandbox.wrap(argv, sandbox.Isolation(**iso), mounts, sys.executable)
+subprocess.Popen(wrapped, env={}, start_new_session=True, pass_fds=lifeline.pass_fds())
+time.sleep(600)
+"""
+STUBBORN_RANK = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+def test_a_killed_worker_takes_its_sandboxes_with_it(tmp_path: Path) -> None:
+    """The worker SIGKILLed, torchrun alive, its rank ignoring SIGTERM, and no worker coming
+    back: the sandbox still ends, after the grace. PR_SET_PDEATHSIG never reached torchrun
+    here (bwrap's outer process may not signal the job's uid): all three ran on, unseen."""
+    iso = _iso("bwrap-setuid")
+    mounts = _run_dir(tmp_path, iso, {"PATH": "/usr/bin:/bin", "HOME": "/job"})
+    (mounts.run_dir / "rank.py").write_text(STUBBORN_RANK)
+    (mounts.run_dir / "rank.py").chmod(0o644)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    argv.append("/job/rank.py")
+    what = [{"kind": iso.kind, "method": iso.method, "bwrap": iso.bwrap, "uid": iso.uid, "gid": iso.gid}]
+    what += [str(mounts.run_dir), list(mounts.read_only), argv]
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps(what)], cwd=Path(__file__).parents[3])
+    try:
+        ns = _wait_for_rank(mounts.run_dir)
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + lifeline.ORPHAN_GRACE_S + 20
+        while procs.pids_in_namespace(ns) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert procs.pids_in_namespace(ns) == [], "the sandbox outlived its worker"
+    finally:
+        worker.kill()
+        procs.kill_under(str(tmp_path) + "/")
+
+
+def _wait_for_rank(run_dir: Path) -> str:
+    """The sandbox's namespace, once it holds PID 1, torchrun and the rank."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for ns, (_outer, bound) in procs.sandbox_run_dirs().items():
+            if bound == str(run_dir) + "/" and len(procs.pids_in_namespace(ns)) >= 3:
+                return ns
+        time.sleep(0.2)
+    raise AssertionError("the sandbox's rank did not start")
 
 
 def test_detect_says_why_there_is_no_sandbox() -> None:
@@ -203,7 +258,7 @@ def test_a_node_runs_in_a_sandbox_warm_or_cold_and_leaves_nothing(tmp_path: Path
         assert (pool.warm_starts, pool.cold_starts) == ((1, 0) if warm else (0, 1))
         assert f"uid={iso.uid} cwd=/job home=/job/home flag=on" in out
         assert "resume=weights-1" in out and stored == ["weights"]
-        assert len(out.split("processes=")[1].split()[0].split(",")) <= 3  # agent, rank, and its shell
+        assert len(out.split("processes=")[1].split()[0].split(",")) <= 4  # PID 1, the agent, the rank and its shell
         node.cleanup()
         assert not run_dir.exists() and not resume_dir_of(run_dir).exists()
     finally:
