@@ -31,6 +31,7 @@ MARKS: dict[str, tuple[str, ...]] = {
     "integration/test_routed_network.py": _INTEGRATION,
     "integration/test_preemption.py": (*_INTEGRATION, "fault"),
     "integration/test_sandbox.py": (*_INTEGRATION, "fault"),
+    "integration/test_server_processes.py": ("stack", "fault"),
     "integration/test_sick_hosts.py": (*_INTEGRATION, "fault"),
     "integration/test_skeleton.py": _INTEGRATION,
     "integration/test_sweeps.py": _INTEGRATION,

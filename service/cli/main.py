@@ -51,11 +51,14 @@ def server(
     host: Annotated[str, typer.Option()] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
     no_scheduler: Annotated[bool, typer.Option("--no-scheduler", help="API only")] = False,
+    workers: Annotated[
+        int, typer.Option(min=1, max=64, help="API processes on the one port (a host's cores; default 1)")
+    ] = 1,
 ) -> None:
     """The API server (and the scheduler) against TORCHJOBS_DATABASE_URL and TORCHJOBS_BROKER_URL."""
     from service.config import Settings
 
-    run_server(Settings(), host, port, scheduler=not no_scheduler)
+    run_server(Settings(), host, port, scheduler=not no_scheduler, processes=workers)
 
 
 @app.command()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 import uvicorn
@@ -91,13 +93,26 @@ def run_server(
     scheduler: bool,
     announce: str | None = None,
     log_file: Path | None = None,
+    processes: int = 1,
 ) -> None:
     from service.app import create_app
 
     _setup_logging(settings, log_file)
     require_current_schema(settings)
+    if processes > 1:
+        run_server_processes(settings, host, port, scheduler, processes)
+        return
     app = create_app(settings, scheduler=scheduler)
-    config = uvicorn.Config(
+    config = _uvicorn_config(app, settings, host, port, log_file)
+    # uvicorn re-raises the Ctrl-C it has already handled; uvicorn.run swallows it the same way
+    with contextlib.suppress(KeyboardInterrupt):
+        AnnouncingServer(config, announce).run()
+
+
+def _uvicorn_config(
+    app: Any, settings: Settings, host: str, port: int, log_file: Path | None
+) -> uvicorn.Config:
+    return uvicorn.Config(
         app,
         host=host,
         port=port,
@@ -106,9 +121,46 @@ def run_server(
         timeout_graceful_shutdown=5,
         log_config=None if settings.log_json or log_file else uvicorn.config.LOGGING_CONFIG,
     )
-    # uvicorn re-raises the Ctrl-C it has already handled; uvicorn.run swallows it the same way
-    with contextlib.suppress(KeyboardInterrupt):
-        AnnouncingServer(config, announce).run()
+
+
+HEALTHCHECK_S = 60
+
+
+def run_server_processes(settings: Settings, host: str, port: int, scheduler: bool, processes: int) -> None:
+    """`server --workers N`: N API processes accepting on one socket the parent binds, so a
+    host's cores serve requests (one process is bound by its GIL). uvicorn's supervisor
+    starts them (spawned: nothing of the parent's threads or connections is inherited) and
+    starts again one that dies. Each has its own engine, view cache and change feed, and its
+    own scheduler thread: the pass's advisory lock lets one of them place at a time, as with
+    several API hosts. The admin's row is made here first, not by N processes at once."""
+    from uvicorn.supervisors import Multiprocess
+
+    from service.auth.tokens import ensure_admin
+    from service.db import Database
+
+    db = Database(settings)
+    try:
+        with db.transaction() as session:
+            ensure_admin(session, settings)
+    finally:
+        db.dispose()
+    app = functools.partial(app_in_process, scheduler)
+    config = _uvicorn_config(app, settings, host, port, None)
+    config.factory, config.workers = True, processes
+    # A process is "hung" (killed, started again) when it does not answer the supervisor's
+    # ping in this time; its first answer comes only after its imports, which take far more
+    # than uvicorn's 5 s on a loaded host, where the default made a kill-and-restart loop.
+    config.timeout_worker_healthcheck = HEALTHCHECK_S
+    Multiprocess(config, sockets=[config.bind_socket()]).run()
+
+
+def app_in_process(scheduler: bool) -> Any:
+    """One API process's app (`run_server_processes`), made in that process."""
+    from service.app import create_app
+
+    settings = Settings()
+    _setup_logging(settings)
+    return create_app(settings, scheduler=scheduler)
 
 
 def run_worker_cmd(name: str, gpus: int | None, accelerator: str, address: str | None) -> None:

@@ -156,6 +156,7 @@ class Stack:
     port: int
     embedded: bool
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    server_args: tuple[str, ...] = ()  # after `server --port N` (`--workers 2`)
 
     @property
     def url(self) -> str:
@@ -187,7 +188,7 @@ class Stack:
                 "up", ["up", "--port", str(self.port), "--gpus", "2", "--accelerator", "cpu", "--verbose"]
             )
         else:
-            self._spawn("server", ["server", "--port", str(self.port)])
+            self._spawn("server", ["server", "--port", str(self.port), *self.server_args])
         wait_for(self._healthy, 60, "the API server")
 
     def start_worker(
@@ -349,7 +350,12 @@ def embedded_stack(home: Path, env: dict[str, str] | None = None) -> Stack:
 
 
 def production_stack(
-    home: Path, pg_url: str, redis_url: str, workers: dict[str, int] | None = None, **extra_env: str
+    home: Path,
+    pg_url: str,
+    redis_url: str,
+    workers: dict[str, int] | None = None,
+    server_args: tuple[str, ...] = (),
+    **extra_env: str,
 ) -> Stack:
     env = make_env(
         home,
@@ -360,10 +366,14 @@ def production_stack(
     )
     if not at_newest_migration(pg_url):  # a copy of the migrated template is already there
         subprocess.run(torchjobs_cmd("db", "upgrade"), env=env, check=True, capture_output=True)
-    stack = Stack(home=home, env=env, port=free_port(), embedded=False)
-    stack.start_server()
-    for name, gpus in (workers if workers is not None else {"w1": 2}).items():
-        stack.start_worker(name, gpus)
+    stack = Stack(home=home, env=env, port=free_port(), embedded=False, server_args=server_args)
+    try:
+        stack.start_server()
+        for name, gpus in (workers if workers is not None else {"w1": 2}).items():
+            stack.start_worker(name, gpus)
+    except BaseException:
+        stack.stop()  # a stack that did not come up must not outlive the test that wanted it
+        raise
     return stack
 
 
