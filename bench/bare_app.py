@@ -9,11 +9,14 @@ body. `GET /v1/async-things/{id}` is the same GET as an `async def`, with no hop
 `GET /v1/things` answers the JSON of a page of `GET /v1/jobs`, read from the file
 `python -m bench.bare_app PORT PAGE_JSON` names. `GET /v1/series/{name}` answers the bytes of
 the SERIES_JSON file `name.json` as they are, the floor of `GET /v1/jobs/{id}/metrics`.
+`POST /v1/inserted-things` (with TJ_BENCH_DATABASE_URL) parses the same body and inserts a
+job and its first event.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, HTTPException, Response
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import Engine, create_engine, text
 
 app = FastAPI()
 
@@ -58,6 +62,40 @@ def post_thing(body: Body) -> dict[str, Any]:
     return {"id": 1, "state": "queued", **body.model_dump()}
 
 
+# `POST /v1/inserted-things`: the floor that matters for `POST /v1/jobs` (bench/submit.py): the
+# same body parsed, then a job row and its first event inserted in one transaction, with the
+# same driver (psycopg through a SQLAlchemy Core engine and its pool), into the database named
+# by TJ_BENCH_DATABASE_URL; nothing else (no token, no validation, no quota, no ORM).
+INSERT_JOB = text(
+    "INSERT INTO jobs (owner_id, name, state, mode, nodes, gpus_per_node, entrypoint, hyperparameters,"
+    " env, labels, max_retries, priority, attempt, last_event_seq, created_at, queued_at)"
+    " VALUES (:owner, :name, 'queued', :mode, 1, :gpus, CAST(:entrypoint AS json),"
+    " CAST(:hyper AS json), '{}', '{}', 0, 0, 1, 1, now(), now()) RETURNING id"
+)
+INSERT_EVENT = text(
+    "INSERT INTO job_events (job_id, seq, ts, type, data)"
+    " VALUES (:job, 1, now(), 'state', '{\"state\": \"queued\"}')"
+)
+ENGINE: list[Engine] = []
+
+
+@app.post("/v1/inserted-things", status_code=201)
+def post_inserted_thing(body: Body) -> dict[str, Any]:
+    with ENGINE[0].begin() as conn:
+        owner: int = conn.execute(text("SELECT id FROM users WHERE name = 'admin'")).scalar_one()
+        values = {
+            "owner": owner,
+            "name": body.name,
+            "mode": body.mode,
+            "gpus": body.gpus_per_node,
+            "entrypoint": body.entrypoint.model_dump_json(),
+            "hyper": json.dumps(body.hyperparameters),
+        }
+        job_id: int = conn.execute(INSERT_JOB, values).scalar_one()
+        conn.execute(INSERT_EVENT, {"job": job_id})
+    return {"id": job_id, "state": "queued", **body.model_dump()}
+
+
 # `GET /v1/things`: the same JSON as a page of `GET /v1/jobs`, which the benchmark saves to the
 # file named by the second argument before it starts this app; a `def` returning it as Python
 # data, which FastAPI encodes, as any endpoint that builds its answer does.
@@ -86,6 +124,9 @@ if __name__ == "__main__":
     if len(sys.argv) > 2:
         PAGE.update(json.loads(Path(sys.argv[2]).read_text()))
     SERIES.update({Path(f).stem: Path(f).read_bytes() for f in sys.argv[3:]})
+    if os.environ.get("TJ_BENCH_DATABASE_URL"):
+        url = os.environ["TJ_BENCH_DATABASE_URL"].replace("postgresql://", "postgresql+psycopg://", 1)
+        ENGINE.append(create_engine(url, pool_size=40, max_overflow=0))
     uvicorn.run(
         app,
         host="127.0.0.1",

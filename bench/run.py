@@ -15,6 +15,7 @@ in this order:
 | launch | bench/launch.py: POST -> first step, whole job, throughput | torchrun by hand |
 | sandbox | bench/sandbox.py: first step and throughput in the ranks' sandbox | the product unsandboxed |
 | api | bench/api.py: GET/POST req/s and latency with wrk; list on 100k jobs | bare FastAPI; first page |
+| submit | bench/submit.py: POST /v1/jobs, one API process and `--workers 2` | bare POST; bare POST + the INSERTs |
 | metrics | bench/metrics_read.py: GET a job's metrics, 100k points of 20 names | bare FastAPI, same bytes |
 | scheduler | bench/scheduler.py: placement rate; freed GPU -> scheduled | plan() in memory |
 | sweep | bench/sweep.py: a 1,000-point sweep's POST; the pass with it queued | 1,000 POSTs; plain queue |
@@ -282,6 +283,7 @@ BENCHMARKS = [
     Bench("sandbox", [PY, "-m", "bench.sandbox"], [PY, "-m", "bench.sandbox", "--smoke"]),
     Bench("environment", [PY, "-m", "bench.environment"], [PY, "-m", "bench.environment", "--smoke"]),
     Bench("api", [PY, "-m", "bench.api"], [PY, "-m", "bench.api", "--smoke"]),
+    Bench("submit", [PY, "-m", "bench.submit"], [PY, "-m", "bench.submit", "--smoke"]),
     Bench("metrics", [PY, "-m", "bench.metrics_read"], [PY, "-m", "bench.metrics_read", "--smoke"]),
     Bench("scheduler", [PY, "-m", "bench.scheduler"], [PY, "-m", "bench.scheduler", "--smoke"]),
     Bench("sweep", [PY, "-m", "bench.sweep"], [PY, "-m", "bench.sweep", "--smoke"]),
