@@ -15,7 +15,7 @@ in this order:
 | launch | bench/launch.py: POST -> first step, whole job, throughput | torchrun by hand |
 | sandbox | bench/sandbox.py: first step and throughput in the ranks' sandbox | the product unsandboxed |
 | api | bench/api.py: GET/POST req/s and latency with wrk; list on 100k jobs | bare FastAPI; first page |
-| submit | bench/submit.py: POST /v1/jobs, one API process and `--workers 2` | bare POST; bare POST + the INSERTs |
+| submit | bench/submit.py: POST /v1/jobs, 1 and 2 API processes | bare POST; POST + the INSERTs |
 | metrics | bench/metrics_read.py: GET a job's metrics, 100k points of 20 names | bare FastAPI, same bytes |
 | scheduler | bench/scheduler.py: placement rate; freed GPU -> scheduled | plan() in memory |
 | sweep | bench/sweep.py: a 1,000-point sweep's POST; the pass with it queued | 1,000 POSTs; plain queue |
