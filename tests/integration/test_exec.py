@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -337,6 +338,49 @@ def test_the_per_user_limit(stack: Stack, alice: str, job: int) -> None:
     # the client went: the worker killed what its sessions ran
     harness.wait_for(lambda: _count(stack, job, b"cat") == 0, 30, "the sessions' processes to go")
     harness.wait_for(lambda: _exec(stack, alice, job, "true").exit_code == 0, 30, "a slot again")
+
+
+CONCURRENT = 50
+
+
+def test_fifty_concurrent_execs_against_the_per_user_limit(stack: Stack, alice: str, job: int) -> None:
+    """All at once: exactly the limit's worth open, every other one a 429, none a 5xx; and
+    every slot back once the clients go."""
+    barrier, answered, done = threading.Barrier(CONCURRENT), threading.Semaphore(0), threading.Event()
+
+    def attempt() -> int:
+        barrier.wait()
+        try:
+            with _session(stack, alice, job, cmd="cat"):
+                answered.release()
+                done.wait(120)  # held open until every attempt has its answer
+                return 101
+        except InvalidStatus as exc:
+            answered.release()
+            return exc.response.status_code
+
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        futures = [pool.submit(attempt) for _ in range(CONCURRENT)]
+        for _ in range(CONCURRENT):
+            assert answered.acquire(timeout=120), "an exec was never answered"
+        done.set()
+        codes = sorted(f.result() for f in futures)
+    assert codes == [101] * MAX_PER_USER + [429] * (CONCURRENT - MAX_PER_USER), codes
+    harness.wait_for(lambda: _count(stack, job, b"cat") == 0, 30, "the sessions' processes to go")
+    harness.wait_for(lambda: _exec(stack, alice, job, "true").exit_code == 0, 30, "a slot again")
+
+
+def test_py_spy_dumps_the_rank_from_inside_its_sandbox(stack: Stack, alice: str, job: int) -> None:
+    """The debugging exec is for: py-spy, as the rank's uid in the rank's namespaces, reads the
+    rank's Python stack (ptrace of one's own processes stays allowed by the seccomp filter)."""
+    spy = Path(sys.executable).with_name("py-spy")
+    assert spy.exists(), "py-spy is a dev dependency (pyproject.toml)"
+    found = _exec(stack, alice, job, "pgrep -f serve_tcp.py")
+    assert found.exit_code == 0, found.output
+    pid = found.output.split()[0].decode()
+    dump = _exec(stack, alice, job, f"{spy} dump --pid {pid}")
+    assert dump.exit_code == 0, dump.output.decode(errors="replace")
+    assert b"serve_tcp.py" in dump.output and b"Thread" in dump.output, dump.output
 
 
 def test_a_revoked_token_closes_an_open_shell(stack: Stack, job: int) -> None:
