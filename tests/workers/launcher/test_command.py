@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.launcher import seccomp
+from workers.launcher import lifeline, seccomp
 from workers.launcher.command import NodeLaunch, build_launch, passthrough, processes_per_node
 from workers.launcher.sandbox import ENTRY, Isolation
 
@@ -137,8 +137,9 @@ def test_a_sandboxed_launch_runs_torchrun_inside_bubblewrap_with_its_own_view() 
     assert argv[argv.index("/venv") - 1 :][:3] == ["--ro-bind-try", "/venv", "/venv"]
     # the entry program, then torchrun itself, unchanged, with paths as the ranks see them
     tail = argv[argv.index(ENTRY) + 1 :]
-    assert bytes.fromhex(tail[0]) == seccomp.program()  # the system-call filter it installs
-    tail = tail[1:]
+    assert tail[0] == str(lifeline.read_end()) and float(tail[1]) == lifeline.ORPHAN_GRACE_S  # its worker's
+    assert bytes.fromhex(tail[2]) == seccomp.program()  # the system-call filter it installs
+    tail = tail[3:]
     assert tail[0] == "/job/.rank-env.json" and tail[1:4] == ["/py", "-m", "torch.distributed.run"]
     # the node's uid has a name inside: /etc/passwd and /etc/group from beside its run folder
     assert (

@@ -258,7 +258,8 @@ def test_a_node_runs_in_a_sandbox_warm_or_cold_and_leaves_nothing(tmp_path: Path
         assert (pool.warm_starts, pool.cold_starts) == ((1, 0) if warm else (0, 1))
         assert f"uid={iso.uid} cwd=/job home=/job/home flag=on" in out
         assert "resume=weights-1" in out and stored == ["weights"]
-        assert len(out.split("processes=")[1].split()[0].split(",")) <= 4  # PID 1, the agent, the rank and its shell
+        processes = out.split("processes=")[1].split()[0].split(",")
+        assert len(processes) <= 4  # PID 1, the agent, the rank and its shell
         node.cleanup()
         assert not run_dir.exists() and not resume_dir_of(run_dir).exists()
     finally:

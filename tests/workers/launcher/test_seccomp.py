@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.launcher import sandbox, seccomp
+from workers.launcher import lifeline, sandbox, seccomp
 
 REFUSED = textwrap.dedent(
     """
@@ -60,8 +60,10 @@ def _under_filter(tmp_path: Path, code: str, env: dict[str, str]) -> subprocess.
     what is tested here; tests/integration/test_walls_v3.py runs it in the real sandbox)."""
     env_file = tmp_path / "env.json"
     env_file.write_text(json.dumps({"PATH": "/usr/bin:/bin", **env}))
-    argv = [sys.executable, "-S", "-I", "-c", sandbox.ENTRY, seccomp.program().hex(), str(env_file)]
-    return subprocess.run([*argv, sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    life = [str(lifeline.read_end()), str(lifeline.ORPHAN_GRACE_S)]
+    argv = [sys.executable, "-S", "-I", "-c", sandbox.ENTRY, *life, seccomp.program().hex(), str(env_file)]
+    argv += [sys.executable, "-c", code]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300, pass_fds=lifeline.pass_fds())
 
 
 @pytest.fixture
