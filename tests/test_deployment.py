@@ -89,7 +89,7 @@ def test_commands_are_accepted_by_the_real_cli() -> None:
         return cli_parse([_interpolated(a) for a in SERVICES[name]["command"]])
 
     assert parse("migrate") == ("upgrade", {})
-    assert parse("api") == ("server", {"host": "0.0.0.0", "port": 8000, "no_scheduler": False})
+    assert parse("api") == ("server", {"host": "0.0.0.0", "port": 8000, "no_scheduler": False, "workers": 1})
     name, params = parse("worker")
     assert name == "worker"
     assert params == {"name": "gpu-1", "gpus": None, "accelerator": "cuda", "address": "worker"}
