@@ -27,6 +27,7 @@ BENCHMARKS = (
     "sandbox",
     "environment",
     "api",
+    "submit",
     "metrics",
     "scheduler",
     "sweep",

@@ -88,8 +88,10 @@ def test_cancel_queued_job_is_immediate_and_finished_job_is_409(stack: Stack) ->
 
 
 def is_agent(pid: int) -> bool:
-    """A torchrun agent, started cold or handed the launch while warm (workers/launcher/warm_agent.py)."""
-    return any(m in cmdline(pid) for m in (b"torch.distributed.run", b"workers.launcher.warm_agent"))
+    """A torchrun agent, started cold or handed the launch while warm (workers/launcher/warm_agent.py):
+    the program run, not one named further on (a sandbox's PID 1, sandbox.ENTRY, names its child's)."""
+    argv = cmdline(pid).split(b"\0")
+    return argv[1:3] in ([b"-m", b"torch.distributed.run"], [b"-m", b"workers.launcher.warm_agent"])
 
 
 def cmdline(pid: int) -> bytes:
