@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -266,12 +266,17 @@ class ProgressWriter:
                 )
 
 
-def start_bare(scratch: Path, page: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_bare(
+    scratch: Path, *files: Path, env: Mapping[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m bench.bare_app PORT [PAGE_JSON [SERIES_JSON...]]`, once it answers; `env`
+    adds to this process's environment (bench/submit.py names its database there)."""
     port = harness.free_port()
     log = open(scratch / "bare_app.log", "wb")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.bare_app", str(port), str(page)],
+        [sys.executable, "-m", "bench.bare_app", str(port), *map(str, files)],
         cwd=REPO,
+        env={**os.environ, **(env or {})},
         stdout=log,
         stderr=subprocess.STDOUT,
     )

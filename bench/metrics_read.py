@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from bench import api as bench_api
 from bench.common import (
     REPO,
     figure,
@@ -100,26 +101,9 @@ def write_points(pg_url: str, home: Path, broker_url: str, points: int) -> tuple
 
 
 def start_bare(scratch: Path, series: list[Path]) -> tuple[subprocess.Popen[bytes], str]:
-    """`python -m bench.bare_app PORT PAGE_JSON SERIES_JSON...`, as bench/api.py starts it."""
+    """`python -m bench.bare_app PORT PAGE_JSON SERIES_JSON...` (an empty page: not used here)."""
     (scratch / "page.json").write_text("{}")
-    port = harness.free_port()
-    log = open(scratch / "bare_app.log", "wb")  # noqa: SIM115 - lives as long as the process
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.bare_app", str(port), str(scratch / "page.json"), *map(str, series)],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/v1/things/1", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    harness.wait_for(up, 60, "the bare FastAPI app")
-    return proc, url
+    return bench_api.start_bare(scratch, scratch / "page.json", *series)
 
 
 def timed_get(client: httpx.Client, url: str) -> tuple[float, int]:

@@ -23,20 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.api import JOB_SPEC, python_load, wrk
-from bench.common import REPO, figure, print_figures, production_stack, workdir, write_result
+from bench.api import JOB_SPEC, python_load, start_bare, wrk
+from bench.common import figure, print_figures, production_stack, workdir, write_result
 from service.testing import harness
 
 SIDES = ("service", "service --workers 2", "bare POST", "bare INSERT")
+TOKEN = harness.ADMIN_TOKEN
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("wrk is not installed: run bench/setup.sh (only --smoke falls back to a Python client)")
     load = wrk if have_wrk else python_load
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    body = json.dumps(JOB_SPEC)
     with workdir("tj-bench-submit-") as scratch, production_stack(scratch / "home", {}) as (stack, pg_url):
-        bare, bare_url = start_floor(scratch, pg_url)
+        bare, bare_url = start_bare(scratch, env={"TJ_BENCH_DATABASE_URL": pg_url})
         try:
             urls = {
                 "service": f"{stack.url}/v1/jobs",
@@ -67,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
                     if side.startswith("service"):
                         serve_with(stack, 2 if "--workers" in side else 1)
                     check(urls[side])
-                    body = json.dumps(JOB_SPEC)
                     load(urls[side], method="POST", body=body, token=TOKEN, seconds=1.0)  # warm-up
                     r = load(urls[side], method="POST", body=body, token=TOKEN, seconds=args.seconds)
                     runs[side].append(r)
@@ -84,25 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     write_result(args.json, result)
     print_figures(result)
     return 0
-
-
-TOKEN = harness.ADMIN_TOKEN
-
-
-def start_floor(scratch: Path, pg_url: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = harness.free_port()
-    log = open(scratch / "bare_app.log", "wb")  # noqa: SIM115 - lives as long as the process
-    env = {**os.environ, "TJ_BENCH_DATABASE_URL": pg_url}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bench.bare_app", str(port)],
-        cwd=REPO,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    harness.wait_for(lambda: _answers(f"{url}/v1/things/1"), 60, "the bare FastAPI app")
-    return proc, url
 
 
 def serve_with(stack: harness.Stack, processes: int) -> None:
@@ -125,13 +104,6 @@ def check(url: str) -> None:
     answer = httpx.post(url, json=JOB_SPEC, headers=harness.auth(TOKEN), timeout=30)
     if answer.status_code != 201:
         raise RuntimeError(f"POST {url}: {answer.status_code} {answer.text[:300]}")
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def make_result(

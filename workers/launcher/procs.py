@@ -67,8 +67,8 @@ def sandbox_namespace(outer_pid: int) -> str | None:
 
 
 def pids_in_namespace(ns: str) -> list[int]:
-    """Every process of one sandbox, its PID 1 (sandbox.ENTRY, torchrun's parent) first: killing that one with
-    SIGKILL makes the kernel kill all the others."""
+    """Every process of one sandbox, its PID 1 (sandbox.ENTRY, torchrun's parent) first:
+    killing that one with SIGKILL makes the kernel kill all the others."""
     found = [int(e) for e in os.listdir("/proc") if e.isdigit() and pid_namespace(e) == ns and not _zombie(e)]
     return sorted(found, key=lambda pid: (_namespace_pid(pid) != 1, pid))
 
