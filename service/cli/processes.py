@@ -144,7 +144,7 @@ def run_server_processes(settings: Settings, host: str, port: int, scheduler: bo
             ensure_admin(session, settings)
     finally:
         db.dispose()
-    app = functools.partial(app_in_process, scheduler)
+    app = functools.partial(app_in_process, settings, scheduler)
     config = _uvicorn_config(app, settings, host, port, None)
     config.factory, config.workers = True, processes
     # A process is "hung" (killed, started again) when it does not answer the supervisor's
@@ -154,11 +154,11 @@ def run_server_processes(settings: Settings, host: str, port: int, scheduler: bo
     Multiprocess(config, sockets=[config.bind_socket()]).run()
 
 
-def app_in_process(scheduler: bool) -> Any:
-    """One API process's app (`run_server_processes`), made in that process."""
+def app_in_process(settings: Settings, scheduler: bool) -> Any:
+    """One API process's app (`run_server_processes`), made in that process with the parent's
+    settings (pickled to it, not read again from an environment that may differ)."""
     from service.app import create_app
 
-    settings = Settings()
     _setup_logging(settings)
     return create_app(settings, scheduler=scheduler)
 
