@@ -65,7 +65,7 @@ async def _session(websocket: WebSocket, job_id: str, op: str) -> None:
                 await websocket.accept()
                 code = await _relay(websocket, link, target, token, settings.stream_recheck_s)
             finally:
-                await link.close()
+                await link.close(reset=target.op == "exec")
     except Refusal as refusal:
         await websocket.send_denial_response(JSONResponse({"detail": refusal.detail}, refusal.status))
         return

@@ -15,6 +15,8 @@ import asyncio
 import contextlib
 import json
 import shlex
+import socket
+import struct
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -256,10 +258,32 @@ class WorkerLink:
         except (asyncio.IncompleteReadError, OSError):
             return None
 
-    async def close(self) -> None:
+    async def close(self, *, reset: bool = False) -> None:
+        """With `reset`, an RST at once, dropping whatever is still in flight to the worker:
+        an exec session's end (the worker ends its side on seeing the close, so those bytes
+        have no reader). A graceful close sends its FIN behind the bytes in the socket
+        buffers; while the command reads no stdin the worker's window stays shut and that FIN
+        never arrives, so the worker's side (its process, a thread) outlived the client.
+        Otherwise what is in flight goes first, for up to CLOSE_GRACE_S, then the reset."""
+        if reset:
+            _reset(self.writer)
+            return
         self.writer.close()
-        with contextlib.suppress(OSError, asyncio.TimeoutError):
-            await asyncio.wait_for(self.writer.wait_closed(), 5)
+        try:
+            await asyncio.wait_for(self.writer.wait_closed(), CLOSE_GRACE_S)
+        except (OSError, TimeoutError):
+            _reset(self.writer)
+
+
+CLOSE_GRACE_S = 5.0
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with an RST now, dropping what was not sent (SO_LINGER 0)."""
+    sock = writer.get_extra_info("socket")
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
 
 
 def _split_address(address: str) -> tuple[str, int]:

@@ -21,6 +21,7 @@ from workers.runtime.cpus import use_slot_cpus
 from workers.runtime.env import runtime_env
 from workers.runtime.mig import take_own_device
 from workers.runtime.preflight import run_preflight
+from workers.runtime.process_groups import keep_on_destroy, let_go
 from workers.runtime.stacks import allow_stack_dumps
 from workers.runtime.workdir import enter_workdir, import_first
 
@@ -45,14 +46,19 @@ def main(argv: list[str]) -> None:
     sys.path[0] = str(path.resolve().parent)
     enter_workdir()  # a job with its own code runs in its copy of it
     import_first(path.resolve().parent)
+    keep_on_destroy()
+    succeeded = False
     try:
         runpy.run_path(str(path), run_name="__main__")
+        succeeded = True
     finally:
         # Free what the script left behind (a DDP model keeps its process group alive after
-        # destroy_process_group) while the interpreter is whole. A gloo group first destroyed
-        # during interpreter finalization can abort the rank ("terminate called without an
-        # active exception", SIGABRT: seen once in CI after a script had succeeded).
+        # destroy_process_group) while the interpreter is whole, and its process groups only
+        # once no gloo thread can still need the GIL (process_groups.py). A gloo group first
+        # destroyed during interpreter finalization can abort the rank ("terminate called
+        # without an active exception", SIGABRT: seen once in CI after a script had succeeded).
         gc.collect()
+        let_go(destroy_left=succeeded)
 
 
 if __name__ == "__main__":

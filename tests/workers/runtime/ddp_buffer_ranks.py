@@ -5,7 +5,9 @@ A plain subprocess per rank rather than `torch.multiprocessing`: the test holds 
 deadline and, if one hangs, kills both and shows what they printed (an earlier form of this
 test, spawned from inside pytest, hung once in CI with nothing to show). Gloo is pinned to the
 loopback: the suite makes and removes network interfaces while it runs, and gloo otherwise
-picks the interface its host name resolves to."""
+picks the interface its host name resolves to. The rank leaves the group and exits as the
+builtin trainer does (`teardown_distributed`, `run_then_exit`): a plain
+`destroy_process_group()` here once hung rank 1 at exit (../../../workers/runtime/process_groups.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from workers.runtime.exiting import run_then_exit
 from workers.runtime.trainer.config import Hyperparameters
+from workers.runtime.trainer.distributed import teardown_distributed
 from workers.runtime.trainer.parallel import broadcast_buffers, place_model
 from workers.runtime.trainer.plan import RunPlan
 
@@ -73,8 +77,8 @@ def run(rank: int, port: int, out_dir: Path) -> None:
             seen[f"{sync}-starts"] = torch.stack(model.starts)
         torch.save(seen, out_dir / f"rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        teardown_distributed()
 
 
 if __name__ == "__main__":
-    run(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    run_then_exit(lambda: run(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])))

@@ -26,6 +26,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _stacks(pid: int) -> str:
+    """Where a hung rank is, Python and native frames (py-spy, a dependency)."""
+    try:
+        dump = subprocess.run(
+            [str(Path(sys.executable).with_name("py-spy")), "dump", "--native", "--pid", str(pid)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"py-spy failed: {exc}"
+    return dump.stdout + dump.stderr
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
     folder = tmp_path_factory.mktemp("ddp-knobs")
@@ -47,10 +59,11 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tens
         for proc in procs:
             outputs.append(proc.communicate(timeout=DEADLINE_S)[0])
     except subprocess.TimeoutExpired:
+        stacks = [_stacks(proc.pid) for proc in procs]
         for proc in procs:
             proc.kill()
         shown = [p.communicate()[0] for p in procs]
-        pytest.fail(f"the two gloo ranks did not finish in {DEADLINE_S} s; they printed: {shown}")
+        pytest.fail(f"the two gloo ranks did not end in {DEADLINE_S} s; printed: {shown}; stacks: {stacks}")
     assert [p.returncode for p in procs] == [0, 0], outputs
     return [torch.load(folder / f"rank{r}.pt", weights_only=True) for r in range(2)]
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from workers.runtime import process_groups
 from workers.runtime.trainer.plan import RunPlan
 
 # How much training may pass between two exchanges of the ranks' SIGTERM flags (StopAgreement).
@@ -83,9 +84,9 @@ def _gpu_identity(index: int) -> str:
 
 
 def teardown_distributed() -> None:
-    """Leave the process group, on every exit path (success, error, preemption)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group, on every exit path (success, error, preemption). The groups
+    themselves are kept until the rank's `os._exit` (see ../process_groups.py)."""
+    process_groups.destroy()
 
 
 def barrier(ctx: DistContext) -> None:
