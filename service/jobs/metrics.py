@@ -144,14 +144,17 @@ MAX_EXTRACTED = 32  # asked for more names than this, the points are parsed here
 
 def series_json(session: Session, job_id: int, names: list[str] | None) -> bytes:
     """`{"names": [...], "series": [{"step","epoch","ts",name: value...}...]}` as bytes. With
-    `names`, only those (an unknown name is simply absent) and only points holding one: the
-    database extracts them from each point (`->>` on PostgreSQL, `json_extract` on SQLite)."""
+    `names`, only those (an unknown name is simply absent) and only points holding one:
+    PostgreSQL builds those points itself from its jsonb (`repo.series_text_pg`); SQLite
+    extracts the values (`json_extract`) and they are formatted here."""
     all_names = job_names(session, job_id)
     if not all_names:
         return _from_events(session, job_id, names)
     known = set(all_names)
     wanted = None if names is None else [n for n in names if n in known]
     head = json.dumps({"names": all_names}, separators=(",", ":"))[:-1]
+    if wanted and session.get_bind().dialect.name == "postgresql":
+        return (head + ',"series":[' + repo.series_text_pg(session, job_id, wanted) + "]}").encode()
     if wanted is None or len(wanted) > MAX_EXTRACTED or not all(map(_plain, wanted)):
         rows = repo.metric_points_as_text(session, job_id)
         points = ((r[0], r[1], r[2], r[3]) for r in rows)

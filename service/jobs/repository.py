@@ -5,6 +5,7 @@ included) and metric series, but the writers that keep theirs next to a lock or 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
@@ -23,6 +24,7 @@ from sqlalchemy import (
     insert,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy.orm import Session
@@ -655,6 +657,33 @@ def extracted_metric_points(session: Session, job_id: int, names: list[str]) -> 
         .where(MetricPoint.job_id == job_id, or_(*(c.is_not(None) for c in columns)))
         .order_by(MetricPoint.seq)
     )
+
+
+# A point as the series answer writes it, built by PostgreSQL: `ts` as Python's isoformat()
+# of an aware UTC datetime (no fraction when it is zero), each name present as `,"name":value`
+# with the value's number as jsonb keeps it (as the whole read splices it: 1e300 in full
+# digits). `:key_N` is the name already JSON-encoded, `:name_N` the name itself; both bound,
+# never spliced into the SQL.
+_PG_TS = """to_char(ts AT TIME ZONE 'UTC',
+    CASE WHEN mod(extract(microseconds FROM ts)::bigint, 1000000) = 0
+    THEN 'YYYY-MM-DD"T"HH24:MI:SS' ELSE 'YYYY-MM-DD"T"HH24:MI:SS.US' END)"""
+_PG_POINT = f"""'{{"step":' || coalesce(step::text, 'null') || ',"epoch":' || coalesce(epoch::text, 'null')
+ || ',"ts":"' || {_PG_TS} || '+00:00"'"""
+
+
+def series_text_pg(session: Session, job_id: int, names: list[str]) -> str:
+    """PostgreSQL only: the answer's points holding one of `names`, joined by commas, built
+    in one statement (one row back, not one a point, and no value parsed or formatted here)."""
+    picks = " || ".join(f"coalesce(:key_{i} || (\"values\" ->> :name_{i}), '')" for i in range(len(names)))
+    sql = (
+        f"SELECT coalesce(string_agg({_PG_POINT} || {picks} || '}}', ',' ORDER BY seq), '') "
+        'FROM metric_points WHERE job_id = :job_id AND jsonb_exists_any("values", CAST(:names AS text[]))'
+    )
+    params: dict[str, Any] = {"job_id": job_id, "names": names}
+    for i, name in enumerate(names):
+        params[f"name_{i}"] = name
+        params[f"key_{i}"] = "," + json.dumps(name) + ":"
+    return str(session.execute(text(sql), params).scalar_one())
 
 
 # -- a sweep's objective and its rungs (ASHA, contract §13) -------------------------------------

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from service.config import Settings
 from service.db import Database
@@ -22,7 +23,7 @@ from service.jobs.reports import write_batch
 from service.jobs.service import ListQuery, list_job_ids
 from service.jobs.states import append_event, transition_job
 from service.migrate import upgrade
-from service.models import Job, JobEvent, SweepRung
+from service.models import Job, JobEvent, MetricPoint, SweepRung
 from service.nodes.values import Batch, NodeKey
 from service.states import SWEEP, JobState
 from tests.factories import make_job, make_user
@@ -102,6 +103,27 @@ def test_names_with_quotes_and_paths_are_only_names(db: Database) -> None:
     for name, value in odd.items():
         got = series(db, job_id, name)["series"]
         assert [p[name] for p in got] == [value], name
+
+
+def test_a_named_read_writes_each_point_as_the_whole_read_does(db: Database) -> None:
+    """`?names=` is built by PostgreSQL itself (its `ts` formatted in SQL): the same point
+    reads the same with and without names, a timestamp with no fraction of a second too,
+    and odd values (tiny, huge, negative) keep their value."""
+    with db.transaction() as s:
+        job_id = make_job(s, make_user(s).id, "running").id
+    values = [1e-05, -2.5e300, 0.1 + 0.2, 7.0]
+    write_batch(db, key(job_id), Batch(events=[{"step": i, "v": v, "w": 1.0} for i, v in enumerate(values)]))
+    write_batch(db, key(job_id), Batch(events=[{"step": 9, "v": 3.0}]))
+    with db.transaction() as s:  # the second batch's points at a whole second
+        whole_second = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+        s.execute(update(MetricPoint).where(MetricPoint.step == 9).values(ts=whole_second))
+    whole = series(db, job_id)["series"]
+    named = series(db, job_id, "v")["series"]
+    assert [p["ts"] for p in named] == [p["ts"] for p in whole]
+    assert named[-1]["ts"] == "2026-01-02T03:04:05+00:00"
+    # the same number, in the form the database keeps it (jsonb writes 1e300 in full digits)
+    assert [float(p["v"]) for p in named] == [float(p["v"]) for p in whole] == [*values, 3.0]
+    assert [p["w"] for p in series(db, job_id, "w")["series"]] == [1.0] * len(values)
 
 
 def test_names_are_kept_once_across_batches(db: Database) -> None:
