@@ -6,8 +6,8 @@ The group's C++ destructor joins those threads. It runs wherever the last refere
 which for a DDP model is when the model is freed after `destroy_process_group()` (the
 Reducer holds the group): on the main thread, holding the GIL. If a gloo thread is still
 freeing its last work then, each waits for the other for ever. Seen with torch 2.13 on the
-2-core CI machine under load: a two-rank DDP run that had saved its results hung at exit (1
-run in 14 while another job set up a browser; py-spy showed `~ProcessGroupGloo` in
+2-core CI machine under load: a two-rank DDP run that had saved its results hung at exit (2
+runs in 17 while other work loaded the machine; py-spy showed `~ProcessGroupGloo` in
 `thread::join` and the gloo thread in `gil_scoped_acquire`).
 
 So every group a rank destroys is kept here, and the rank lets go of them only after a pause
@@ -37,26 +37,26 @@ def keep(group: Any = None) -> None:
     _KEPT.extend(list(distributed_c10d._world.pg_map) if group is None else [group])
 
 
-def destroy(group: Any = None) -> None:
-    """`destroy_process_group(group)`, its groups kept (see the module's docstring)."""
-    if dist.is_available() and dist.is_initialized():
-        keep(group)
-        _ORIGINAL_DESTROY(group)
-
-
 _ORIGINAL_DESTROY = dist.destroy_process_group
+
+
+@functools.wraps(_ORIGINAL_DESTROY)
+def _kept_destroy(group: Any = None) -> None:
+    keep(group)
+    _ORIGINAL_DESTROY(group)
+
+
+def destroy(group: Any = None) -> None:
+    """`destroy_process_group(group)`, its groups kept (see the module's docstring); nothing
+    when there is no group."""
+    if dist.is_available() and dist.is_initialized():
+        _kept_destroy(group)
 
 
 def keep_on_destroy() -> None:
     """A script's own `destroy_process_group()` keeps its groups too (the script cannot know)."""
-
-    @functools.wraps(_ORIGINAL_DESTROY)
-    def kept_destroy(group: Any = None) -> None:
-        keep(group)
-        _ORIGINAL_DESTROY(group)
-
-    dist.destroy_process_group = kept_destroy
-    distributed_c10d.destroy_process_group = kept_destroy
+    dist.destroy_process_group = _kept_destroy
+    distributed_c10d.destroy_process_group = _kept_destroy
 
 
 def let_go(*, destroy_left: bool, quiet_s: float = QUIET_S) -> None:
