@@ -97,6 +97,7 @@ class JobOut(BaseModel):
     sweep_point: dict[str, Any] | None = None  # a sweep's child: its values, by spec path
     sweep: SweepOut | None = None  # a sweep's parent: its grid and its children's states
     stopped_early: dict[str, Any] | None = None  # {"epoch", "value"}: an ASHA rung stopped it (§13)
+    objective_value: float | None = None  # a sweep child's last value of its sweep's objective (§13)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

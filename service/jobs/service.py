@@ -346,6 +346,7 @@ def job_views(
             sweep_point=j.sweep_point,
             sweep=sweep_out(j),
             stopped_early=j.stopped_early,
+            objective_value=j.objective_value,
             gpu_seconds=round(sum(a.gpu_seconds for a in attempts.get(j.id, [])), 3),
             created_at=j.created_at,
             started_at=j.started_at,

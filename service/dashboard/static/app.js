@@ -603,6 +603,228 @@
     }
   }
 
+  // ---------------------------------------------------------------- series and sweeps (§13)
+
+  const SERIES_SHOWN = 12; // names charted before the user picks
+  const SWEEP_CURVES = 20; // children whose objective is charted, best first
+  const PALETTE = ["#2563eb", "#d97706", "#16a34a", "#dc2626", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#ea580c", "#475569"];
+
+  // A job's series, asked by name where the names can be put in `?names=` (a name holding a
+  // comma cannot: then every series is read and picked here).
+  async function readSeries(jobId, names, signal) {
+    const plain = names && names.length && names.every((n) => !n.includes(","));
+    const query = plain ? `?names=${encodeURIComponent(names.join(","))}` : "";
+    return getJson(`/v1/jobs/${jobId}/metrics${query}`, { signal });
+  }
+
+  // x of a series: the epoch where every point of it has one (what ASHA compares), else the step.
+  function seriesAxis(points) {
+    return points.length && points.every((p) => p.epoch !== null && p.epoch !== undefined) ? "epoch" : "step";
+  }
+
+  function xyOf(points, name) {
+    const held = points.filter((p) => typeof p[name] === "number");
+    const axis = seriesAxis(held);
+    const pairs = held.map((p, i) => [p[axis] ?? i, p[name]]).sort((a, b) => a[0] - b[0]);
+    return { axis, xs: pairs.map((p) => p[0]), ys: pairs.map((p) => p[1]) };
+  }
+
+  function makePlot(container, xLabel, series, data, height) {
+    container.replaceChildren();
+    return new uPlot(
+      {
+        width: Math.max(300, container.clientWidth),
+        height,
+        scales: { x: { time: false } },
+        axes: [{ label: xLabel, incrs: STEP_INCREMENTS }, {}],
+        series: [{ label: xLabel }, ...series],
+      },
+      data,
+      container,
+    );
+  }
+
+  class SeriesView {
+    // Every series the job reported, one small chart per picked name (uPlot writes labels as text).
+    constructor(jobId, signal) {
+      this.jobId = jobId;
+      this.signal = signal;
+      this.names = [];
+      this.selected = null;
+      this.charts = new Map(); // name -> {box, plot, axis}
+      this.namesKey = null;
+      signal.addEventListener("abort", () => this.charts.forEach((c) => c.plot?.destroy()), { once: true });
+    }
+
+    async refresh() {
+      const data = await readSeries(this.jobId, this.selected ? [...this.selected] : null, this.signal);
+      if (this.signal.aborted) return;
+      $("series-panel").hidden = data.names.length === 0;
+      if (!data.names.length) return;
+      if (!this.selected) this.selected = new Set(data.names.slice(0, SERIES_SHOWN));
+      this.names = data.names;
+      this.renderNames();
+      this.draw(data.series);
+      $("series-status").textContent = `${data.names.length} series · ${data.series.length} points shown`;
+    }
+
+    renderNames() {
+      const key = this.names.join("\u0000");
+      if (key === this.namesKey) return;
+      this.namesKey = key;
+      $("series-names").replaceChildren(
+        ...this.names.map((name) =>
+          el("label", {},
+            el("input", {
+              type: "checkbox", "data-series-name": name, checked: this.selected.has(name),
+              onchange: (event) => {
+                if (event.target.checked) this.selected.add(name);
+                else this.selected.delete(name);
+                this.refresh().catch(console.error);
+              },
+            }),
+            el("span", { class: "name", text: name })),
+        ),
+      );
+    }
+
+    draw(points) {
+      const shown = this.names.filter((n) => this.selected.has(n));
+      for (const [name, chart] of this.charts) {
+        if (shown.includes(name)) continue;
+        chart.plot?.destroy();
+        chart.box.remove();
+        this.charts.delete(name);
+      }
+      shown.forEach((name, i) => {
+        const { axis, xs, ys } = xyOf(points, name);
+        let chart = this.charts.get(name);
+        if (!chart) {
+          const holder = el("div");
+          const box = el("div", { class: "series-chart", "data-series-chart": name }, el("h3", { text: name }), holder);
+          $("series-charts").append(box);
+          chart = { box, holder, plot: null, axis: null };
+          this.charts.set(name, chart);
+        }
+        chart.box.dataset.points = String(xs.length);
+        if (!chart.plot || chart.axis !== axis) {
+          chart.plot?.destroy();
+          const line = { label: name, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true, value: (u, v) => fmtNum(v) };
+          chart.plot = makePlot(chart.holder, axis, [line], [xs, ys], 200);
+          chart.axis = axis;
+        } else {
+          chart.plot.setData([xs, ys]);
+        }
+      });
+      for (const name of shown) $("series-charts").append(this.charts.get(name).box); // in the names' order
+      $("series-charts").dataset.charts = String(shown.length);
+    }
+  }
+
+  class SweepView {
+    // A sweep's children: points, objective, state, best first; their objective in one chart.
+    constructor(jobId, signal) {
+      this.jobId = jobId;
+      this.signal = signal;
+      this.plot = null;
+      this.plotKey = null;
+      this.ended = new Map(); // child id -> its objective's points, once it has ended
+      signal.addEventListener("abort", () => this.plot?.destroy(), { once: true });
+    }
+
+    async children(objective) {
+      const kids = [];
+      let cursor = "";
+      do { // a sweep has up to 1,000 children: every page
+        const query = new URLSearchParams({ parent: String(this.jobId), limit: "500" });
+        if (objective) query.set("order", "objective");
+        if (cursor) query.set("cursor", cursor);
+        const page = await getJson(`/v1/jobs?${query}`, { signal: this.signal });
+        kids.push(...page.items);
+        cursor = page.next_cursor || "";
+      } while (cursor);
+      return objective ? kids : kids.sort((a, b) => a.id - b.id);
+    }
+
+    async refresh(parent) {
+      $("sweep-panel").hidden = false;
+      const sweep = parent.sweep;
+      const objective = sweep.objective;
+      const kids = await this.children(objective);
+      if (this.signal.aborted) return;
+      this.renderTable(kids, sweep);
+      $("sweep-status").textContent = `${sweep.ended} of ${sweep.children} ended`
+        + (sweep.early_stop ? ` · early stopping: ${sweep.early_stop.kind}` : "");
+      if (objective) await this.chart(kids, objective, sweep.best);
+      else {
+        $("sweep-chart-title").textContent = "No objective";
+        $("sweep-chart-note").textContent = "set sweep.objective to rank the children and chart them";
+      }
+    }
+
+    renderTable(kids, sweep) {
+      const objective = sweep.objective;
+      const paths = [...new Set(kids.flatMap((c) => Object.keys(c.sweep_point || {})))];
+      const heads = ["", "job", ...paths, ...(objective ? [`${objective.metric} (${objective.mode})`] : []), "state", "stopped early", "GPU-s"];
+      $("sweep-head").replaceChildren(el("tr", {}, ...heads.map((h) => el("th", { text: h }))));
+      const bestId = sweep.best?.job_id;
+      $("sweep-body").replaceChildren(
+        ...kids.map((c, i) => el(
+          "tr",
+          { "data-sweep-child": c.id, class: c.id === bestId ? "best" : null },
+          el("td", { class: "muted", text: objective && c.objective_value != null ? String(i + 1) : "" }),
+          el("td", {}, el("a", { href: `#/jobs/${c.id}`, text: `#${c.id}` })),
+          ...paths.map((path) => el("td", { class: "mono", text: JSON.stringify((c.sweep_point || {})[path]) })),
+          ...(objective ? [el("td", { class: "mono", "data-objective": "", text: fmtNum(c.objective_value, 5) })] : []),
+          el("td", {}, el("span", { class: `badge ${c.state}`, text: c.state })),
+          el("td", { text: c.stopped_early ? `at epoch ${c.stopped_early.epoch}` : "" }),
+          el("td", { class: "mono", text: Math.round(c.gpu_seconds ?? 0).toString() }),
+        )),
+      );
+    }
+
+    async chart(kids, objective, best) {
+      const charted = kids.filter((c) => c.objective_value != null).slice(0, SWEEP_CURVES);
+      $("sweep-chart-title").textContent = `${objective.metric} of each child`;
+      const more = kids.filter((c) => c.objective_value != null).length - charted.length;
+      $("sweep-chart-note").textContent = more > 0 ? `the best ${charted.length} charted (${more} more in the table)` : "";
+      const curves = [];
+      for (const c of charted) {
+        let points = this.ended.get(c.id);
+        if (!points) {
+          const data = await readSeries(c.id, [objective.metric], this.signal);
+          points = data.series.filter((p) => typeof p[objective.metric] === "number");
+          if (TERMINAL.has(c.state)) this.ended.set(c.id, points);
+        }
+        curves.push({ child: c, ...xyOf(points, objective.metric) });
+      }
+      if (this.signal.aborted) return;
+      const axis = curves.every((c) => c.axis === "epoch") ? "epoch" : "step";
+      const xs = [...new Set(curves.flatMap((c) => c.xs))].sort((a, b) => a - b);
+      const columns = curves.map((c) => {
+        const at = new Map(c.xs.map((x, i) => [x, c.ys[i]]));
+        return xs.map((x) => (at.has(x) ? at.get(x) : null));
+      });
+      const key = `${axis}|${curves.map((c) => c.child.id).join(",")}|${best?.job_id}`;
+      if (key !== this.plotKey || !this.plot) {
+        this.plot?.destroy();
+        const series = curves.map((c, i) => ({
+          label: `#${c.child.id} ${Object.entries(c.child.sweep_point || {}).map(([k, v]) => `${k.split(".").pop()}=${v}`).join(" ")}`,
+          stroke: PALETTE[i % PALETTE.length],
+          width: c.child.id === best?.job_id ? 3 : 1.5,
+          spanGaps: true,
+          value: (u, v) => fmtNum(v),
+        }));
+        this.plot = curves.length ? makePlot($("sweep-chart"), axis, series, [xs, ...columns], 300) : null;
+        if (!curves.length) $("sweep-chart").replaceChildren(el("p", { class: "muted", text: "No child has reported the objective yet." }));
+        this.plotKey = key;
+      } else {
+        this.plot.setData([xs, ...columns]);
+      }
+      $("sweep-chart").dataset.curves = String(curves.length);
+    }
+  }
+
   function jobView(jobId, signal) {
     showView("job");
     $("job-title").textContent = `Job #${jobId}`;
@@ -615,7 +837,16 @@
     $("chart").replaceChildren(el("p", { class: "muted placeholder", text: "No progress reported yet." }));
     $("chart-status").textContent = "";
 
+    $("series-panel").hidden = true;
+    $("series-names").replaceChildren();
+    $("series-charts").replaceChildren();
+    $("sweep-panel").hidden = true;
+    $("sweep-chart").replaceChildren();
+    $("sweep-chart").dataset.curves = "0";
+
     const chart = new Chart($("chart"));
+    const series = new SeriesView(jobId, signal);
+    const sweep = new SweepView(jobId, signal);
     const logs = new LogView($("log"), $("log-rank"), jobId);
     let job = null;
     let lastSeq = 0;
@@ -702,6 +933,13 @@
         await logs.fetchMore(signal);
         return !ended;
       }, 2000, signal);
+      // The series (§13) and a sweep's children, until the job ends, then once more.
+      poll(async () => {
+        const ended = terminal();
+        if (job?.sweep) await sweep.refresh(job);
+        else await series.refresh();
+        return !ended;
+      }, 5000, signal);
     })();
   }
 
@@ -754,6 +992,7 @@
   }
 
   function renderJob(job) {
+    $("chart-panel").hidden = Boolean(job.sweep); // a sweep's parent trains nothing itself
     $("job-title").textContent = `Job #${job.id}${job.name ? ` · ${job.name}` : ""}`;
     renderState(job);
     renderProgress(job);

@@ -307,7 +307,10 @@ def test_a_sweep_is_one_row_that_opens_to_its_children_and_their_losses(stack: S
         "mode": "single",
         "entrypoint": {"kind": "builtin", "model": "mlp", "dataset": "synthetic"},
         "hyperparameters": hyper,
-        "sweep": {"grid": {"hyperparameters.lr": [0.1, 0.01]}},
+        "sweep": {
+            "grid": {"hyperparameters.lr": [0.1, 0.01]},
+            "objective": {"metric": "val_loss", "mode": "min"},
+        },
     }
     parent = stack.submit(spec)
     assert stack.wait_job(parent["id"], timeout=180)["state"] == "succeeded", stack.describe(parent["id"])
@@ -328,8 +331,78 @@ def test_a_sweep_is_one_row_that_opens_to_its_children_and_their_losses(stack: S
     assert len(texts) == 2 and "0.1" in texts[0] and "0.01" in texts[1], texts
     for text, kid in zip(texts, sorted(kids, key=lambda k: k["id"]), strict=True):
         assert f"{kid['progress']['loss']:.4g}"[:4] in text, (text, kid["progress"])
+
+    # the sweep's own page (contract §13): its children best first, the best marked, and the
+    # objective of each in one chart
+    with stack.client() as c:
+        ordered = c.get("/v1/jobs", params={"parent": parent["id"], "order": "objective"}).json()["items"]
+        best = c.get(f"/v1/jobs/{parent['id']}").json()["sweep"]["best"]
+    page.goto(f"{stack.url}/#/jobs/{parent['id']}")
+    page.wait_for_selector("#sweep-chart[data-curves='2']")
+    shown = page.eval_on_selector_all(
+        "#sweep-body tr[data-sweep-child]",
+        "(rows) => rows.map((r) => [Number(r.dataset.sweepChild), r.classList.contains('best'),"
+        " r.querySelector('[data-objective]').textContent])",
+    )
+    assert [row[0] for row in shown] == [k["id"] for k in ordered], (shown, ordered)
+    assert [row[0] for row in shown if row[1]] == [best["job_id"]]
+    for (_, _, text), kid in zip(shown, ordered, strict=True):
+        assert float(text) == pytest.approx(kid["objective_value"], rel=1e-4), (text, kid)
+    assert "val_loss (min)" in page.inner_text("#sweep-head")
+    assert page.is_hidden("#series-panel")  # a parent reports nothing of its own
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "dashboard-sweep.png"), full_page=True)
+
+
+XSS_NAME = "<img src=x onerror=window.pwned=1>"
+
+
+def test_the_job_view_charts_every_series_and_picks_them_by_name(
+    stack: Stack, page: Any, tmp_path: Path
+) -> None:
+    """Contract §13: every name a script reports is charted on its job's page, one chart per
+    picked name; a name is data, never markup."""
+    folder = tmp_path / "seriesproj"
+    folder.mkdir()
+    (folder / "series.py").write_text(
+        "from workers.runtime import report\n"
+        "for step in range(1, 6):\n"
+        f"    report(step=step, bleu=step / 10, **{{{XSS_NAME!r}: float(step)}})\n"
+    )
+    with Client(stack.url, ADMIN_TOKEN) as client:
+        code = client.push_code(folder)["id"]
+    job = stack.submit(
+        {"mode": "single", "code": code, "entrypoint": {"kind": "script", "path": "series.py"}}
+    )
+    assert stack.wait_job(job["id"])["state"] == "succeeded", stack.describe(job["id"])
+    with stack.client() as c:
+        names = c.get(f"/v1/jobs/{job['id']}/metrics").json()["names"]
+    assert names == sorted([XSS_NAME, "bleu"])
+    page.set_default_timeout(30_000)
+    page.goto(f"{stack.url}/")
+    page.fill("#token", ADMIN_TOKEN)
+    page.click("#signin-form button[type=submit]")
+    page.wait_for_selector("#view-home:not([hidden])")
+    page.goto(f"{stack.url}/#/jobs/{job['id']}")
+    page.wait_for_selector("#series-charts[data-charts='2']")
+    picks = page.eval_on_selector_all(
+        "[data-series-name]", "(boxes) => boxes.map((b) => b.dataset.seriesName)"
+    )
+    assert picks == names
+    titles = page.eval_on_selector_all(".series-chart h3", "(hs) => hs.map((h) => h.textContent)")
+    assert titles == names
+    points = page.eval_on_selector_all(".series-chart", "(cs) => cs.map((c) => c.dataset.points)")
+    assert points == ["5", "5"]
+    assert page.evaluate("() => window.pwned") is None
+    assert page.query_selector("#series-panel img") is None
+    page.uncheck("[data-series-name='bleu']")
+    page.wait_for_selector("#series-charts[data-charts='1']")
+    assert page.eval_on_selector_all(".series-chart h3", "(hs) => hs.map((h) => h.textContent)") == [XSS_NAME]
+    page.check("[data-series-name='bleu']")
+    page.wait_for_selector("#series-charts[data-charts='2']")
+    assert page.evaluate("() => window.pwned") is None
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dashboard-series.png"), full_page=True)
 
 
 def test_the_job_view_shows_its_code_and_environment(stack: Stack, page: Any, tmp_path: Path) -> None:
