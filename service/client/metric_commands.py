@@ -16,7 +16,6 @@ from rich.table import Table
 
 from service.client.api import Client
 from service.client.common import OutputOpt, TokenOpt, UrlOpt, api, console, emit
-from service.client.tensorboard import EventFileWriter
 
 NamesOpt = Annotated[str | None, typer.Option("--names", help="comma-separated series: only those")]
 
@@ -138,19 +137,37 @@ def unique_folder(name: str, job_id: int, used: set[str]) -> str:
 
 
 def write_run(folder: Path, series: list[dict[str, Any]]) -> int:
-    """One event file of scalars; a point without a step takes its place in the series."""
-    with EventFileWriter(folder) as writer:
+    """One event file of scalars, by torch's TensorBoard writer (the `tensorboard` extra); a
+    point without a step takes its place in the series."""
+    writer_class = _summary_writer()
+    folder.mkdir(parents=True, exist_ok=True)
+    writer = writer_class(log_dir=str(folder))
+    try:
         for i, point in enumerate(series):
-            values = {
-                k: float(v)
-                for k, v in point.items()
-                if k not in ("step", "epoch", "ts")
-                and isinstance(v, (int, float))
-                and not isinstance(v, bool)
-            }
             step = point.get("step")
-            writer.add_scalars(step if isinstance(step, int) else i, _wall_time(point.get("ts")), values)
+            wall_time = _wall_time(point.get("ts"))
+            for name, value in sorted(point.items()):
+                if name in ("step", "epoch", "ts") or isinstance(value, bool):
+                    continue
+                if isinstance(value, (int, float)):
+                    writer.add_scalar(name, float(value), step if isinstance(step, int) else i, wall_time)
+    finally:
+        writer.close()
     return len(series)
+
+
+def _summary_writer() -> Any:
+    """torch.utils.tensorboard's SummaryWriter; without the `tensorboard` package a clear
+    exit, not a traceback."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        console.print(
+            "[red]error:[/red] `torchjobs tensorboard` writes with the tensorboard package: "
+            "pip install 'torchjobs[tensorboard]' (or tensorboard>=2.18)"
+        )
+        raise typer.Exit(2) from None
+    return SummaryWriter
 
 
 def _wall_time(ts: Any) -> float:
