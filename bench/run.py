@@ -19,6 +19,7 @@ in this order:
 | metrics | bench/metrics_read.py: GET a job's metrics, 100k points of 20 names | bare FastAPI, same bytes |
 | scheduler | bench/scheduler.py: placement rate; freed GPU -> scheduled | plan() in memory |
 | sweep | bench/sweep.py: a 1,000-point sweep's POST; the pass with it queued | 1,000 POSTs; plain queue |
+| asha | bench/asha.py: a 9-child sweep's GPU-seconds with ASHA early stopping | the grid run to its end |
 | scale | bench/scale.py: simulated hosts to 1,000; writes docs/scaling.md | none (a curve) |
 | events | bench/event_stream.py: SSE lag at 1/50/200 streams; ingestion writes | 1 stream; reports/s |
 | checkpoint | bench/checkpoint_download.py: 1 GiB download, RSS | fastest plain server |
@@ -287,6 +288,13 @@ BENCHMARKS = [
     Bench("metrics", [PY, "-m", "bench.metrics_read"], [PY, "-m", "bench.metrics_read", "--smoke"]),
     Bench("scheduler", [PY, "-m", "bench.scheduler"], [PY, "-m", "bench.scheduler", "--smoke"]),
     Bench("sweep", [PY, "-m", "bench.sweep"], [PY, "-m", "bench.sweep", "--smoke"]),
+    Bench(
+        "asha",
+        [PY, "-m", "bench.asha"],
+        [PY, "-m", "bench.asha", "--smoke"],
+        timeout_full=1800,
+        timeout_smoke=600,
+    ),
     Bench(
         "resize",
         [PY, "-m", "bench.resize"],

@@ -31,6 +31,7 @@ BENCHMARKS = (
     "metrics",
     "scheduler",
     "sweep",
+    "asha",
     "resize",
     "scale",
     "events",
