@@ -24,6 +24,7 @@ MARKS: dict[str, tuple[str, ...]] = {
     "integration/test_failures.py": (*_INTEGRATION, "fault"),
     "integration/test_fair_queue.py": _INTEGRATION,
     "integration/test_folder_checkpoints.py": _INTEGRATION,
+    "integration/test_hf_trainer.py": (*_INTEGRATION, "fault"),
     "integration/test_json_logs.py": _INTEGRATION,
     "integration/test_metrics_sweeps.py": _INTEGRATION,
     "integration/test_multinode.py": _INTEGRATION,
