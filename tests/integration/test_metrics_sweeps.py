@@ -98,6 +98,27 @@ def test_bad_objectives_are_422_naming_the_field(stack: Stack) -> None:
         assert c.get("/v1/jobs", params={"order": "newest", "parent": 1}).status_code == 422
 
 
+def test_best_and_order_follow_the_children_s_metrics_with_a_diverging_lr(stack: Stack) -> None:
+    """A learning rate that diverges reports non-finite losses (kept out of its series) or huge
+    ones: whichever it did, `best` and `order=objective` say what the series say."""
+    spec = sweep_spec(grid={"hyperparameters.lr": [0.02, 1e-7, 10.0]}, max_parallel=2)
+    spec["hyperparameters"].update(epochs=2, synthetic_size=1024)
+    spec["sweep"]["objective"] = {"metric": "val_loss", "mode": "min"}
+    parent = stack.submit(spec)
+    assert stack.wait_job(parent["id"], timeout=300)["state"] == "succeeded", stack.describe(parent["id"])
+    kids = get(stack, "/v1/jobs", parent=parent["id"], order="objective")["items"]
+    last = {}
+    for kid in kids:
+        series = get(stack, f"/v1/jobs/{kid['id']}/metrics", names="val_loss")["series"]
+        last[kid["id"]] = series[-1]["val_loss"] if series else None
+        assert kid["objective_value"] == last[kid["id"]], (kid, series)
+    valued = sorted((v, i) for i, v in last.items() if v is not None)
+    assert [k["id"] for k in kids] == [i for _, i in valued] + sorted(i for i, v in last.items() if v is None)
+    best = get(stack, f"/v1/jobs/{parent['id']}")["sweep"]["best"]
+    assert (best["job_id"], best["value"]) == (valued[0][1], valued[0][0])
+    assert best["point"] == {"hyperparameters.lr": 0.02}
+
+
 def test_an_asha_sweep_stops_the_hopeless_children_and_ranks_the_rest(stack: Stack, tmp_path: Path) -> None:
     """9 children (η = 3) on 2 slots, the API server killed and started again in the middle."""
     good, hopeless_lrs, seeds = 0.02, [1e-6, 1e-7], [0, 1, 2]

@@ -10,10 +10,13 @@ The screenshot is kept as `test-artifacts/dashboard.png`.
 
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -378,6 +381,18 @@ def test_the_job_view_charts_every_series_and_picks_them_by_name(
     with stack.client() as c:
         names = c.get(f"/v1/jobs/{job['id']}/metrics").json()["names"]
     assert names == sorted([XSS_NAME, "bleu"])
+    with stack.client() as c:  # a script's own name through ?names= and the CLI's CSV
+        named = c.get(f"/v1/jobs/{job['id']}/metrics", params={"names": "bleu"}).json()["series"]
+    assert [(p["step"], p["bleu"]) for p in named] == [(i, i / 10) for i in range(1, 6)]
+    assert all(set(p) == {"step", "epoch", "ts", "bleu"} for p in named)
+    env = {**stack.env, "TORCHJOBS_URL": stack.url, "TORCHJOBS_TOKEN": ADMIN_TOKEN}
+    out = subprocess.run(
+        harness.torchjobs_cmd("metrics", str(job["id"]), "--names", "bleu", "--csv"),
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    rows = list(csv.reader(io.StringIO(out.stdout)))
+    assert rows[0] == ["step", "epoch", "ts", "bleu"], out
+    assert [(r[0], r[3]) for r in rows[1:]] == [(str(i), f"{i / 10:.6g}") for i in range(1, 6)]
     page.set_default_timeout(30_000)
     page.goto(f"{stack.url}/")
     page.fill("#token", ADMIN_TOKEN)
