@@ -1,12 +1,14 @@
 """ASHA early stopping (contract §13): a sweep's summed GPU-seconds with `early_stop`, against
 the same grid run to its end (issue #40).
 
-    .venv/bin/python -m bench.asha            # 2 runs of each, 9 children of 6 epochs; ~12 min
-    .venv/bin/python -m bench.asha --smoke    # 1 run of each, 9 children of 2 epochs
+    .venv/bin/python -m bench.asha            # 2 runs of each, 9 children of 6 epochs of 65,536; ~10 min
+    .venv/bin/python -m bench.asha --samples 8192   # epochs of 8,192: the launch outweighs them
+    .venv/bin/python -m bench.asha --smoke    # 1 run of each, 9 children of 2 epochs of 8,192
 
 On `torchjobs db upgrade` + `server` + `worker --accelerator cpu --gpus 2`, PostgreSQL and Redis,
-the product's default settings. The grid: the builtin mlp on synthetic data, `lr` in {0.02,
-1e-6, 1e-7} (one that learns and two that learn nothing in an epoch) x `seed` in {0, 1, 2},
+the product's default settings. The grid: the builtin mlp on synthetic data (`--samples` an
+epoch), `lr` in {0.02, 1e-6, 1e-7} (one that learns and two that learn nothing in an epoch) x
+`seed` in {0, 1, 2},
 `max_parallel` 2. The service: `early_stop: {"kind": "asha", "min_epochs": 1,
 "reduction_factor": 3}` with `objective: val_loss, min`. The floor: the same sweep without
 `early_stop`. Measured: the children's summed `gpu_seconds` (every attempt, start to end, as
@@ -40,7 +42,7 @@ SEEDS = [0, 1, 2]
 ASHA = {"kind": "asha", "min_epochs": 1, "reduction_factor": 3}
 
 
-def sweep_spec(epochs: int, early_stop: bool) -> dict[str, Any]:
+def sweep_spec(epochs: int, early_stop: bool, samples: int) -> dict[str, Any]:
     sweep: dict[str, Any] = {
         "grid": {"hyperparameters.lr": LRS, "hyperparameters.seed": SEEDS},
         "max_parallel": 2,
@@ -55,7 +57,7 @@ def sweep_spec(epochs: int, early_stop: bool) -> dict[str, Any]:
         "hyperparameters": {
             "epochs": epochs,
             "batch_size": 16,
-            "synthetic_size": 8192,
+            "synthetic_size": samples,
             "num_workers": 0,
             "optimizer": "adamw",
             "lr": 0.01,
@@ -64,9 +66,11 @@ def sweep_spec(epochs: int, early_stop: bool) -> dict[str, Any]:
     }
 
 
-def run_sweep(stack: harness.Stack, epochs: int, early_stop: bool, timeout: float) -> dict[str, Any]:
+def run_sweep(
+    stack: harness.Stack, epochs: int, early_stop: bool, samples: int, timeout: float
+) -> dict[str, Any]:
     started = time.monotonic()
-    parent = stack.submit(sweep_spec(epochs, early_stop))
+    parent = stack.submit(sweep_spec(epochs, early_stop, samples))
     done = stack.wait_job(parent["id"], timeout=timeout, interval=1.0)
     wall = time.monotonic() - started
     if done["state"] != "succeeded":
@@ -87,9 +91,9 @@ def run_sweep(stack: harness.Stack, epochs: int, early_stop: bool, timeout: floa
     }
 
 
-def measure(runs: int, epochs: int) -> dict[str, list[dict[str, Any]]]:
+def measure(runs: int, epochs: int, samples: int) -> dict[str, list[dict[str, Any]]]:
     sides: dict[str, list[dict[str, Any]]] = {"asha": [], "grid": []}
-    timeout = 60 + 9 * (20 + 15 * epochs)
+    timeout = 60 + 9 * (20 + 15 * epochs * max(1, samples // 8192))
     with (
         workdir("tj-bench-asha-", keep_on_error=REPO / "test-artifacts" / "bench" / "asha") as scratch,
         production_stack(scratch / "stack", {"w1": 2}) as (stack, _),
@@ -98,7 +102,7 @@ def measure(runs: int, epochs: int) -> dict[str, list[dict[str, Any]]]:
             order = ["asha", "grid"] if i % 2 == 0 else ["grid", "asha"]
             for side in order:
                 try:
-                    got = run_sweep(stack, epochs, side == "asha", timeout)
+                    got = run_sweep(stack, epochs, side == "asha", samples, timeout)
                 except Exception as exc:  # a figure from fewer runs says so
                     got = {"error": str(exc)}
                 sides[side].append(got)
@@ -106,13 +110,13 @@ def measure(runs: int, epochs: int) -> dict[str, list[dict[str, Any]]]:
     return sides
 
 
-def make_result(sides: dict[str, list[dict[str, Any]]], epochs: int) -> dict[str, Any]:
+def make_result(sides: dict[str, list[dict[str, Any]]], epochs: int, samples: int) -> dict[str, Any]:
     pairs = [
         (a, g)
         for a, g in zip(sides["asha"], sides["grid"], strict=True)
         if "error" not in a and "error" not in g
     ]
-    setup = f"9 children x {epochs} epochs, 2 slots"
+    setup = f"9 children x {epochs} epochs of {samples:,}, 2 slots"
     figs = [
         figure(
             "sweep GPU-seconds with ASHA",
@@ -161,11 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--samples", type=int, default=65536, help="synthetic samples an epoch")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.runs, args.epochs = 1, 2
-    sides = measure(args.runs, args.epochs)
-    result = make_result(sides, args.epochs)
+        args.runs, args.epochs, args.samples = 1, 2, 8192
+    sides = measure(args.runs, args.epochs, args.samples)
+    result = make_result(sides, args.epochs, args.samples)
     write_result(args.json, result)
     print_figures(result)
     return 1 if any("error" in r for side in sides.values() for r in side) else 0
