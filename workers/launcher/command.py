@@ -236,7 +236,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         resume=launch.resume_path,
         read_only=launch.read_only,
         devices=launch.devices,
-        private_network=launch.private_network and launch.nnodes == 1,
+        private_network=in_own_network(launch),
         identity=identity_dir_of(launch.run_dir) if launch.isolation.uid is not None else None,
     )
     iso = launch.isolation
@@ -278,11 +278,28 @@ def code_folders(script_roots: Sequence[Path], passed: Mapping[str, str]) -> tup
     return (*map(str, script_roots), *filter(None, passed.get("PYTHONPATH", "").split(":")))
 
 
+# The host's interface names for gloo, NCCL and TensorPipe: in a job's own network namespace
+# (a single-node job) no such interface exists, and gloo fails to start ("Unable to find address
+# for: eth1"). The job's own `env` may still name one of its namespace's.
+HOST_INTERFACE_VARS = frozenset({"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME"})
+
+
+def in_own_network(launch: NodeLaunch) -> bool:
+    """A sandboxed single-node job on a worker of private (or routed) job networks: its ranks
+    talk over their own loopback. Multi-node jobs keep the host's network."""
+    return launch.private_network and launch.nnodes == 1 and launch.isolation.sandboxed
+
+
+def host_network_env(passed: Mapping[str, str]) -> dict[str, str]:
+    """The pass-through without the host's interface names, for a node in its own namespace."""
+    return {k: v for k, v in passed.items() if k not in HOST_INTERFACE_VARS}
+
+
 def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
     """Contract §7: PATH, a private HOME and TMPDIR, LANG, the administrator's pass-through,
     the job's own `env`, then ours (the job cannot override those)."""
     env = {"PATH": f"{Path(launch.python).parent}:{SYSTEM_PATH}"}
-    env.update(launch.base_env)
+    env.update(host_network_env(launch.base_env) if in_own_network(launch) else launch.base_env)
     env.update(launch.user_env)
     env.update(
         HOME=str(paths.home),

@@ -120,6 +120,25 @@ def test_the_rank_environment_is_an_allow_list_never_the_workers_minus_names() -
         assert secret not in env.values()
 
 
+def test_a_node_in_its_own_network_namespace_gets_no_host_interface_names() -> None:
+    """A worker told GLOO_SOCKET_IFNAME=tj0 for its multi-node jobs: a single-node job in a
+    namespace of its own has no tj0, and gloo would fail to start. The job's own env stays."""
+    passed = passthrough({**WORKER_ENV, "GLOO_SOCKET_IFNAME": "tj0"}, "OMP_NUM_THREADS,NCCL_*,GLOO_*")
+    host = build_launch(launch(base_env=passed, user_env={})).env
+    assert (host["GLOO_SOCKET_IFNAME"], host["NCCL_SOCKET_IFNAME"]) == ("tj0", "eth0")
+    iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap="/bw", uid=4242, gid=4243)
+    own = build_launch(launch(base_env=passed, user_env={}, private_network=True, isolation=iso)).env
+    assert "GLOO_SOCKET_IFNAME" not in own and "NCCL_SOCKET_IFNAME" not in own
+    assert own["OMP_NUM_THREADS"] == "1"
+    mine = build_launch(
+        launch(base_env=passed, user_env={"GLOO_SOCKET_IFNAME": "lo"}, private_network=True, isolation=iso)
+    ).env
+    assert mine["GLOO_SOCKET_IFNAME"] == "lo"
+    # a multi-node job keeps the host's network, and the names its peers are reached by
+    two = build_launch(launch(base_env=passed, nnodes=2, private_network=True, isolation=iso)).env
+    assert two["GLOO_SOCKET_IFNAME"] == "tj0"
+
+
 def test_a_sandboxed_launch_runs_torchrun_inside_bubblewrap_with_its_own_view() -> None:
     iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap="/bw", uid=4242, gid=4243)
     plan = build_launch(
