@@ -23,6 +23,7 @@ from service.testing.harness import Stack, pids_of_job, wait_for
 from tests.netns import Network, netns_available
 
 DIGITS = {"kind": "builtin", "model": "cnn", "dataset": "digits"}
+SMALL = {"kind": "builtin", "model": "mlp", "dataset": "synthetic"}
 TWO_NODES_ONE_GPU = {
     "mode": "ddp",
     "nodes": 2,
@@ -153,8 +154,8 @@ def test_mixed_queue_never_exceeds_any_host(tmp_path: Path, pg_url: str, redis_u
                         "mode": mode,
                         "nodes": nodes,
                         "gpus_per_node": gpus,
-                        "entrypoint": DIGITS,
-                        "hyperparameters": {"epochs": 1, "num_workers": 0},
+                        "entrypoint": SMALL,  # placement is what is tested: a short job
+                        "hyperparameters": {"epochs": 1, "num_workers": 0, "synthetic_size": 256},
                     }
                 )["id"]
             )
@@ -232,3 +233,51 @@ def test_own_code_with_its_environment_across_two_hosts(two_hosts, tmp_path: Pat
         logs = [c.get(f"/v1/jobs/{done['id']}/logs", params={"node": n}).text for n in (0, 1)]
     for log in logs:
         assert "environment: reusing" in log and "their own workers package; their __init__ ran; 42" in log
+
+
+def test_a_dcp_checkpoint_of_two_hosts_is_whole_and_resumes_on_one_rank(two_hosts, tmp_path: Path) -> None:
+    """Contract §11 across hosts: builtin `fsdp` on two hosts, each rank's DCP shard saved on
+    its own host; the listed checkpoint holds both hosts' files, downloaded it is a DCP folder
+    DCP itself reads whole, and a job of 1 node and 1 rank resumes from it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    stack, net, env = two_hosts
+    for name in ("hosta", "hostb"):
+        stack.start_worker(name, 1, address=net.add_host(name), extra_env=env, netns=net.namespace(name))
+    hyper = {"epochs": 2, "synthetic_size": 256, "batch_size": 32, "num_workers": 0, "checkpoint_every": 1}
+    entry = {"kind": "builtin", "model": "mlp", "dataset": "synthetic"}
+    spec = {"mode": "fsdp", "nodes": 2, "gpus_per_node": 1, "entrypoint": entry, "hyperparameters": hyper}
+    done = stack.wait_job(stack.submit(spec)["id"], timeout=300)
+    assert done["state"] == "succeeded", stack.describe(done["id"])
+    assert {a["worker"] for a in done["assignments"]} == {"hosta", "hostb"}
+    ckpt = done["latest_checkpoint"]
+    assert ckpt["kind"] == "folder", ckpt
+    folder = tmp_path / "dcp"
+    with stack.client() as c:
+        files = c.get(f"/v1/checkpoints/{ckpt['id']}/files").json()["items"]
+        assert {f["node_rank"] for f in files} == {0, 1}, files
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= {f["path"].rsplit("/", 1)[-1] for f in files}
+        for f in files:
+            target = folder / f["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(c.get(f"/v1/checkpoints/{ckpt['id']}/files/{f['path']}").content)
+    metadata = next(folder.rglob(".metadata"))
+    dcp_to_torch_save(metadata.parent, tmp_path / "whole.pt")  # fails on a missing shard
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert whole["model"], list(whole)
+    resumed = stack.wait_job(
+        stack.submit(
+            {
+                "mode": "fsdp",
+                "gpus_per_node": 1,
+                "entrypoint": entry,
+                "hyperparameters": {**hyper, "epochs": 3},
+                "resume_from": {"checkpoint_id": ckpt["id"]},
+            }
+        )["id"],
+        timeout=300,
+    )
+    assert resumed["state"] == "succeeded", stack.describe(resumed["id"])
+    with stack.client() as c:
+        log = c.get(f"/v1/jobs/{resumed['id']}/logs").text
+    assert "resuming at epoch 2" in log, log[-3000:]
