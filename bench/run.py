@@ -24,6 +24,7 @@ in this order:
 | events | bench/event_stream.py: SSE lag at 1/50/200 streams; ingestion writes | 1 stream; reports/s |
 | checkpoint | bench/checkpoint_download.py: 1 GiB download, RSS | fastest plain server |
 | fsdp-checkpoint | bench/fsdp_checkpoint.py: fsdp stall per async DCP save | sync dcp.save; none |
+| folder-checkpoint | bench/folder_checkpoint.py: 1 GiB from 2 nodes to listed; download | cp -r; disk read |
 
 No timing target is ever asserted: the command fails only when a benchmark itself fails (a
 crash, a timeout, a stream that missed events). Targets are printed next to the ratios.
@@ -318,6 +319,11 @@ BENCHMARKS = [
         "fsdp-checkpoint",
         [PY, "-m", "bench.fsdp_checkpoint"],
         [PY, "-m", "bench.fsdp_checkpoint", "--smoke"],
+    ),
+    Bench(
+        "folder-checkpoint",
+        [PY, "-m", "bench.folder_checkpoint"],
+        [PY, "-m", "bench.folder_checkpoint", "--smoke"],
     ),
 ]
 NAMES = [b.name for b in BENCHMARKS]

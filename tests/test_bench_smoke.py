@@ -37,6 +37,7 @@ BENCHMARKS = (
     "events",
     "checkpoint",
     "fsdp-checkpoint",
+    "folder-checkpoint",
 )
 CHEAPEST = ("trainer",)  # 7 s of the smoke's ~280 s here
 RUN = BENCHMARKS if os.environ.get("TORCHJOBS_BENCH_SMOKE") == "all" else CHEAPEST
