@@ -7,7 +7,9 @@ The two-host tests put each worker in its own network namespace with its own add
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 import threading
 import time
@@ -250,7 +252,14 @@ def test_a_dcp_checkpoint_of_two_hosts_is_whole_and_resumes_on_one_rank(two_host
     done = stack.wait_job(stack.submit(spec)["id"], timeout=300)
     assert done["state"] == "succeeded", stack.describe(done["id"])
     assert {a["worker"] for a in done["assignments"]} == {"hosta", "hostb"}
-    ckpt = done["latest_checkpoint"]
+
+    def last_listed() -> dict | None:  # type: ignore[type-arg]
+        # node 0 writes the last save's .metadata after its async save: listed soon after the end
+        with stack.client() as c:
+            items = c.get(f"/v1/jobs/{done['id']}/checkpoints").json()["items"]
+        return next((x for x in items if x["name"] == "epoch-0002"), None)
+
+    ckpt = wait_for(last_listed, 60, "the last epoch's checkpoint listed")
     assert ckpt["kind"] == "folder", ckpt
     folder = tmp_path / "dcp"
     with stack.client() as c:
@@ -281,3 +290,39 @@ def test_a_dcp_checkpoint_of_two_hosts_is_whole_and_resumes_on_one_rank(two_host
     with stack.client() as c:
         log = c.get(f"/v1/jobs/{resumed['id']}/logs").text
     assert "resuming at epoch 2" in log, log[-3000:]
+
+    # a job of 1 rank reads the folder staged for it on its host: the same tensors, checksum
+    # for checksum, as the two hosts' shards read together here
+    def checksums(state: dict) -> dict[str, str]:  # type: ignore[type-arg]
+        return {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in state.items()}
+
+    project = tmp_path / "reader"
+    project.mkdir()
+    (project / "read_dcp.py").write_text(
+        "import hashlib, json, os, tempfile, torch\n"
+        "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+        "out = os.path.join(tempfile.mkdtemp(), 'whole.pt')\n"
+        "dcp_to_torch_save(os.environ['TORCHJOBS_RESUME_FROM'], out)\n"
+        "model = torch.load(out, weights_only=False)['model']\n"
+        "sums = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in model.items()}\n"
+        "print('SUMS ' + json.dumps(sums), flush=True)\n"
+    )
+    from service.client import Client
+
+    with Client(stack.url, harness.ADMIN_TOKEN) as client:
+        code = client.push_code(project)["id"]
+    reader = stack.wait_job(
+        stack.submit(
+            {
+                "mode": "single",
+                "code": code,
+                "entrypoint": {"kind": "script", "path": "read_dcp.py"},
+                "resume_from": {"checkpoint_id": ckpt["id"]},
+            }
+        )["id"],
+        timeout=300,
+    )
+    assert reader["state"] == "succeeded", stack.describe(reader["id"])
+    with stack.client() as c:
+        log = c.get(f"/v1/jobs/{reader['id']}/logs").text
+    assert json.loads(log.split("SUMS ", 1)[1].splitlines()[0]) == checksums(whole["model"])

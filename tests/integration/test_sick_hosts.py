@@ -1,6 +1,7 @@
 """Contract §8, a sick host: a worker whose ranks can never pass the pre-flight (its gloo is
-bound to an interface that does not exist) fails attempt after attempt; after three in a row
-it is quarantined, work goes to the healthy host, and the admin's readmit brings it back."""
+bound to an interface that does not exist, its jobs on the host's network) fails attempt after
+attempt; after three in a row it is quarantined, work goes to the healthy host, and the
+admin's readmit brings it back."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ DDP = {
 @pytest.fixture
 def stack(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Stack]:
     s = harness.production_stack(tmp_path, pg_url, redis_url, workers={})
-    s.start_worker("sick", 2, extra_env={"GLOO_SOCKET_IFNAME": "tj-nosuchnic0"})
+    # jobs on the host's network: a job node in its own namespace is not told the host's
+    # interface names, so there the bad one would harm only multi-node jobs
+    sick = {"GLOO_SOCKET_IFNAME": "tj-nosuchnic0", "TORCHJOBS_JOB_NETWORK": "host"}
+    s.start_worker("sick", 2, extra_env=sick)
     yield s
     s.stop()
 

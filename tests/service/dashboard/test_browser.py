@@ -132,6 +132,16 @@ def page(browser: Any) -> Iterator[Any]:
     context.close()
 
 
+def open_job_page(stack: Stack, page: Any, job_id: int) -> None:
+    """Sign in as the admin, then go to the job's page."""
+    page.set_default_timeout(30_000)
+    page.goto(f"{stack.url}/")
+    page.fill("#token", ADMIN_TOKEN)
+    page.click("#signin-form button[type=submit]")
+    page.wait_for_selector("#view-home:not([hidden])")
+    page.goto(f"{stack.url}/#/jobs/{job_id}")
+
+
 def test_submit_watch_chart_logs_and_download(stack: Stack, page: Any, tmp_path: Path) -> None:
     try:
         _submit_watch_chart_logs_and_download(stack, page, tmp_path)
@@ -393,12 +403,7 @@ def test_the_job_view_charts_every_series_and_picks_them_by_name(
     rows = list(csv.reader(io.StringIO(out.stdout)))
     assert rows[0] == ["step", "epoch", "ts", "bleu"], out
     assert [(r[0], r[3]) for r in rows[1:]] == [(str(i), f"{i / 10:.6g}") for i in range(1, 6)]
-    page.set_default_timeout(30_000)
-    page.goto(f"{stack.url}/")
-    page.fill("#token", ADMIN_TOKEN)
-    page.click("#signin-form button[type=submit]")
-    page.wait_for_selector("#view-home:not([hidden])")
-    page.goto(f"{stack.url}/#/jobs/{job['id']}")
+    open_job_page(stack, page, job["id"])
     page.wait_for_selector("#series-charts[data-charts='2']")
     picks = page.eval_on_selector_all(
         "[data-series-name]", "(boxes) => boxes.map((b) => b.dataset.seriesName)"
@@ -437,12 +442,7 @@ def test_the_job_view_shows_its_code_and_environment(stack: Stack, page: Any, tm
     }
     job = stack.submit(spec)
     assert (job["code"], job["environment"]) == (code, {"pip": ["tabulate==0.10.0"]})  # the view's data
-    page.set_default_timeout(30_000)
-    page.goto(f"{stack.url}/")
-    page.fill("#token", ADMIN_TOKEN)
-    page.click("#signin-form button[type=submit]")
-    page.wait_for_selector("#view-home:not([hidden])")
-    page.goto(f"{stack.url}/#/jobs/{job['id']}")
+    open_job_page(stack, page, job["id"])
     page.wait_for_selector(f"#job-title:has-text('Job #{job['id']}')")
 
     def facts() -> dict[str, str]:
