@@ -139,9 +139,7 @@ def unique_folder(name: str, job_id: int, used: set[str]) -> str:
 def write_run(folder: Path, series: list[dict[str, Any]]) -> int:
     """One event file of scalars, by torch's TensorBoard writer (the `tensorboard` extra); a
     point without a step takes its place in the series."""
-    writer_class = _summary_writer()
-    folder.mkdir(parents=True, exist_ok=True)
-    writer = writer_class(log_dir=str(folder))
+    writer = _summary_writer()(log_dir=str(folder))  # it makes the folder
     try:
         for i, point in enumerate(series):
             step = point.get("step")

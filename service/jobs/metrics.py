@@ -153,8 +153,6 @@ def series_json(session: Session, job_id: int, names: list[str] | None) -> bytes
     known = set(all_names)
     wanted = None if names is None else [n for n in names if n in known]
     head = json.dumps({"names": all_names}, separators=(",", ":"))[:-1]
-    if wanted == []:  # only names the job never reported: no point holds one
-        return (head + ',"series":[]}').encode()
     if wanted and session.get_bind().dialect.name == "postgresql":
         return (head + ',"series":[' + repo.series_text_pg(session, job_id, wanted) + "]}").encode()
     if wanted is None or len(wanted) > MAX_EXTRACTED or not all(map(_plain, wanted)):

@@ -369,6 +369,21 @@
     return el("tr", { "data-children-of": parent.id }, el("td", { colspan: "9" }, table));
   }
 
+  // A sweep's children, every page (up to 1,000); best first by its objective when `byObjective`.
+  async function sweepChildren(parentId, byObjective, signal) {
+    const kids = [];
+    let cursor = "";
+    do {
+      const query = new URLSearchParams({ parent: String(parentId), limit: "500" });
+      if (byObjective) query.set("order", "objective");
+      if (cursor) query.set("cursor", cursor);
+      const page = await getJson(`/v1/jobs?${query}`, { signal });
+      kids.push(...page.items);
+      cursor = page.next_cursor || "";
+    } while (cursor);
+    return kids;
+  }
+
   async function refreshJobs() {
     const state = $("jobs-state").value;
     const query = new URLSearchParams({ limit: "50" });
@@ -381,14 +396,7 @@
       if (job.parent_id && shown.has(job.parent_id)) continue; // inside its sweep's row
       rows.push(jobRow(job));
       if (job.sweep && openSweeps.has(job.id)) {
-        const kids = [];
-        let cursor = "";
-        do { // a sweep has up to 1,000 children: every page
-          const page = await getJson(`/v1/jobs?parent=${job.id}&limit=500${cursor ? `&cursor=${cursor}` : ""}`, { signal });
-          kids.push(...page.items);
-          cursor = page.next_cursor || "";
-        } while (cursor);
-        rows.push(childrenRow(job, kids));
+        rows.push(childrenRow(job, await sweepChildren(job.id, false, signal)));
       }
     }
     $("jobs-body").replaceChildren(...rows);
@@ -622,9 +630,9 @@
     return points.length && points.every((p) => p.epoch !== null && p.epoch !== undefined) ? "epoch" : "step";
   }
 
-  function xyOf(points, name) {
+  function xyOf(points, name, given = null) {
     const held = points.filter((p) => typeof p[name] === "number");
-    const axis = seriesAxis(held);
+    const axis = given ?? seriesAxis(held);
     const pairs = held.map((p, i) => [p[axis] ?? i, p[name]]).sort((a, b) => a[0] - b[0]);
     return { axis, xs: pairs.map((p) => p[0]), ys: pairs.map((p) => p[1]) };
   }
@@ -732,25 +740,12 @@
       signal.addEventListener("abort", () => this.plot?.destroy(), { once: true });
     }
 
-    async children(objective) {
-      const kids = [];
-      let cursor = "";
-      do { // a sweep has up to 1,000 children: every page
-        const query = new URLSearchParams({ parent: String(this.jobId), limit: "500" });
-        if (objective) query.set("order", "objective");
-        if (cursor) query.set("cursor", cursor);
-        const page = await getJson(`/v1/jobs?${query}`, { signal: this.signal });
-        kids.push(...page.items);
-        cursor = page.next_cursor || "";
-      } while (cursor);
-      return objective ? kids : kids.sort((a, b) => a.id - b.id);
-    }
-
     async refresh(parent) {
       $("sweep-panel").hidden = false;
       const sweep = parent.sweep;
       const objective = sweep.objective;
-      const kids = await this.children(objective);
+      const kids = await sweepChildren(this.jobId, Boolean(objective), this.signal);
+      if (!objective) kids.sort((a, b) => a.id - b.id);
       if (this.signal.aborted) return;
       this.renderTable(kids, sweep);
       $("sweep-status").textContent = `${sweep.ended} of ${sweep.children} ended`
@@ -784,11 +779,12 @@
     }
 
     async chart(kids, objective, best) {
-      const charted = kids.filter((c) => c.objective_value != null).slice(0, SWEEP_CURVES);
+      const valued = kids.filter((c) => c.objective_value != null);
+      const charted = valued.slice(0, SWEEP_CURVES);
       $("sweep-chart-title").textContent = `${objective.metric} of each child`;
-      const more = kids.filter((c) => c.objective_value != null).length - charted.length;
+      const more = valued.length - charted.length;
       $("sweep-chart-note").textContent = more > 0 ? `the best ${charted.length} charted (${more} more in the table)` : "";
-      const curves = [];
+      const held = [];
       for (const c of charted) {
         let points = this.ended.get(c.id);
         if (!points) {
@@ -796,10 +792,12 @@
           points = data.series.filter((p) => typeof p[objective.metric] === "number");
           if (TERMINAL.has(c.state)) this.ended.set(c.id, points);
         }
-        curves.push({ child: c, ...xyOf(points, objective.metric) });
+        held.push({ child: c, points });
       }
       if (this.signal.aborted) return;
-      const axis = curves.every((c) => c.axis === "epoch") ? "epoch" : "step";
+      // one x for every curve: the epoch only where every child's every point has one
+      const axis = seriesAxis(held.flatMap((h) => h.points));
+      const curves = held.map((h) => ({ child: h.child, ...xyOf(h.points, objective.metric, axis) }));
       const xs = [...new Set(curves.flatMap((c) => c.xs))].sort((a, b) => a - b);
       const columns = curves.map((c) => {
         const at = new Map(c.xs.map((x, i) => [x, c.ys[i]]));
