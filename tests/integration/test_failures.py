@@ -5,7 +5,6 @@ Each test builds its own PostgreSQL + Redis stack, because these tests kill its 
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import torch
 
 from service.testing import harness
 from service.testing.harness import Stack, pids_of_job, wait_event, wait_for
+from tests.integration.weights import final_weights
 
 LONG = {"kind": "builtin", "model": "cnn", "dataset": "synthetic"}
 # A single-process job of some seconds: long enough to disturb something while it runs.
@@ -106,12 +106,6 @@ def environ(pid: int) -> bytes:
         return Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return b""
-
-
-def final_weights(stack: Stack, job: dict) -> dict[str, torch.Tensor]:
-    with stack.client() as c:
-        blob = c.get(job["latest_checkpoint"]["download_url"]).content
-    return torch.load(io.BytesIO(blob), weights_only=True)["state_dict"]["net"]
 
 
 @pytest.mark.parametrize(("sandbox", "timed"), [("auto", False), ("off", False), ("auto", True)])

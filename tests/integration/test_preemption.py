@@ -10,8 +10,10 @@ from datetime import datetime
 from typing import Any
 
 import pytest
+import torch
 
 from service.testing.harness import Stack, pids_of_job, script_job, wait_event, wait_for
+from tests.integration.weights import final_weights
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,8 @@ def test_a_higher_priority_preempts_a_running_job_which_checkpoints_and_resumes(
     assert (low["preemptible"], low["stop_grace_s"], low["max_retries"]) == (True, 20, 0)
     event_of(stack, low["id"], "progress", 90)
     high = stack.submit(spec(epochs=2, gpus=1, priority=5))
-    later = stack.submit(spec(epochs=2, gpus=2))  # after the victim in the queue, of its priority
+    # after the victim in the queue, of its priority: the same job, run straight through
+    later = stack.submit(spec(epochs=60, gpus=2))
     preempted = event_of(stack, low["id"], "preempted", 30)
     assert preempted["data"] == {"by_priority": 5, "by_job": high["id"]}  # the admin sees who
     with stack.client() as c:  # its first attempt ends within the grace: it is queued again
@@ -91,6 +94,11 @@ def test_a_higher_priority_preempts_a_running_job_which_checkpoints_and_resumes(
     kinds = [(e["type"], e["data"].get("state")) for e in stack.events(low["id"])]
     assert kinds.index(("preempted", None)) < kinds.index(("state", "queued"), 1)
     assert pids_of_job(low["id"], stack.home) == []
+    # preempted mid-run and resumed, it ends bitwise where the same job run straight ends (CPU)
+    assert later_done["state"] == "succeeded", stack.describe(later["id"])
+    preempted_weights, straight_weights = final_weights(stack, done), final_weights(stack, later_done)
+    assert preempted_weights.keys() == straight_weights.keys()
+    assert all(torch.equal(preempted_weights[k], straight_weights[k]) for k in preempted_weights)
 
 
 def test_equal_priority_and_a_job_not_preemptible_are_not_preempted(stack: Stack) -> None:

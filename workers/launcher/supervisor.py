@@ -508,7 +508,9 @@ class NodeSupervisor:
     def _await_listing(self) -> None:
         """Node 0, its ranks ended: its parts wait (bounded) for the other nodes' final looks,
         and no longer once every other node has ended (a node stores its parts before it
-        reports its end; one lost with its host never will)."""
+        reports its end; one lost with its host never will). A try that failed (the database
+        away a moment) answers nothing: it is tried again, peers ended or not, until the
+        deadline; otherwise the job would end with its last checkpoint never listed."""
         hooks = self.hooks.folders
         deadline = time.monotonic() + FOLDER_END_WAIT_S
         while hooks is not None and self.awaiting and time.monotonic() < deadline:
@@ -518,6 +520,7 @@ class NodeSupervisor:
                 self._list_awaiting(hooks)
             except Exception:
                 log.warning("job %s: could not list a folder checkpoint", self.key.job_id, exc_info=True)
+                continue
             if peers_gone:
                 break
         if self.awaiting:

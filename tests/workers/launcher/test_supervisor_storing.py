@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from service.nodes.values import Batch, JobControl, NodeKey
 from workers.launcher.command import LaunchPlan, NodePaths
 from workers.launcher.ingest import EventsTail
 from workers.launcher.jobfiles import JobFolder
-from workers.launcher.supervisor import EVENT_GAP_S, Hooks, NodeSupervisor
+from workers.launcher.supervisor import EVENT_GAP_S, FolderHooks, Hooks, NodeSupervisor
 
 # A stand-in for torchrun: a progress line every 50 ms in the events file, one checkpoint file
 # per "epoch" (written, then renamed into place), for `seconds`, then exit 0.
@@ -194,3 +195,48 @@ def test_a_backlog_is_not_hurried_while_storing_fails(tmp_path: Path) -> None:
     assert sum(stored) == 72 * 1024 * 1024  # nothing lost
     # About one try per half second over 2.5 s, plus the first backlog's quick looks.
     assert tries["failed"] <= 25, tries
+
+
+# A stand-in for node 0 of a job whose ranks saved one DCP folder: shard and .metadata, then exit.
+DCP_FOLDER = """
+import os, sys
+folder = os.path.join(sys.argv[1], "epoch-0001")
+os.makedirs(folder)
+for name in ("__0_0.distcp", ".metadata"):
+    with open(os.path.join(folder, name), "wb") as out:
+        out.write(b"x" * 64)
+"""
+
+
+def test_node_0_lists_its_last_folder_though_a_try_fails_after_its_peers_ended(tmp_path: Path) -> None:
+    """The other node has ended, the first try found its part not stored yet, and the next try
+    met the database away: node 0 tries again before it reports its end (it once gave up, and
+    the job ended with its last folder checkpoint never listed)."""
+    paths = NodePaths(run_dir=tmp_path / "node")
+    answers: list[str] = ["not ready", "away", "listed"]
+    listed: list[int] = []
+
+    def try_list(part: int, meta: dict[str, Any] | None) -> int | None:
+        answer = answers.pop(0) if answers else "listed"
+        if answer == "away":
+            raise ConnectionError("the database is away")
+        if answer == "listed":
+            listed.append(part)
+            return 7
+        return None
+
+    def store_part(name: str, version: int, files: Any, opener: Any) -> int:
+        for sig in files:
+            opener(sig).close()
+        return 41
+
+    hooks = Hooks(
+        write_batch=lambda batch: ("running", 1),
+        record_checkpoint=lambda *_: None,
+        job_control=lambda: ("running", 1),
+        peers_ended=lambda: datetime.now(UTC),
+        folders=FolderHooks(store_part=store_part, try_list=try_list),
+    )
+    outcome = node(paths, [sys.executable, "-c", DCP_FOLDER, str(paths.checkpoints)], hooks).run()
+    assert outcome.state == "succeeded"
+    assert listed == [41] and not answers
