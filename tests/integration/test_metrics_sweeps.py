@@ -176,7 +176,9 @@ def test_an_asha_sweep_stops_the_hopeless_children_and_ranks_the_rest(stack: Sta
         )
 
     # the lr that learns nothing loses at the first rung (epoch 1) to the two that learn, with
-    # its checkpoint; a child never stopped ran to its last epoch
+    # its checkpoint; a child never stopped ran to its last epoch. How far a stopped child got
+    # past its rung depends on how soon its ranks saw the stop against how long an epoch takes
+    # (CI once saw one finish its 3 short epochs first): only the sum above is asserted.
     hopeless = [k for k in kids if k["hyperparameters"]["lr"] in hopeless_lrs]
     assert len(hopeless) == 6
     for kid in hopeless:
@@ -184,7 +186,6 @@ def test_an_asha_sweep_stops_the_hopeless_children_and_ranks_the_rest(stack: Sta
         assert kid["stopped_early"]["epoch"] == 1
         assert kid["stopped_early"]["value"] == pytest.approx(last[kid["id"]], rel=0.5)
         assert kid["latest_checkpoint"] is not None
-        assert max(p["epoch"] for p in get(stack, f"/v1/jobs/{kid['id']}/metrics")["series"]) < EPOCHS
         assert any(e["type"] == "early_stop" for e in stack.events(kid["id"]))
     best_id = min(last, key=lambda i: last[i])
     best_kid = next(k for k in kids if k["id"] == best_id)

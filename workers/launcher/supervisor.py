@@ -286,7 +286,7 @@ class NodeSupervisor:
                 if now >= next_batch or self._behind() or events_due:
                     self._ingest(final=False)
                     last_batch, next_batch = now, now + BATCH_EVERY_S
-                if self.stop_reason is None and now >= next_control:
+                if self.stop_reason is None and (now >= next_control or self._told_to_stop()):
                     next_control = now + CONTROL_EVERY_S
                     self.stop_reason = self._should_stop() or self._over_limit()
                     if self.stop_reason in (STALL, LOST_PEERS):
@@ -295,6 +295,16 @@ class NodeSupervisor:
                         return self._stop(proc)
                 due = min(next_batch, next_control, time.monotonic() + EVENT_LOOK_S) - time.monotonic()
                 exited.wait(0.0 if self._behind() else due)
+
+    def _told_to_stop(self) -> bool:
+        """The last stored batch brought a stop (an early stop, a preemption, a cancel): acted
+        on at once, not at the next look at the job, up to CONTROL_EVERY_S later. A sweep's
+        stopped child with short epochs trained one more of them while it waited."""
+        seen = self.seen
+        if seen is None:
+            return False
+        asked = getattr(seen, "stop", None) is not None or getattr(seen, "stop_grace_s", None) is not None
+        return asked or seen[0] == JobState.CANCELLING
 
     def _behind(self) -> bool:
         """More output waits in the files than one look takes: look again at once, unless

@@ -12,7 +12,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from service.nodes.values import Batch, JobControl, NodeKey
+from workers.launcher import supervisor as supervisor_module
 from workers.launcher.command import LaunchPlan, NodePaths
 from workers.launcher.ingest import EventsTail
 from workers.launcher.jobfiles import JobFolder
@@ -240,3 +243,25 @@ def test_node_0_lists_its_last_folder_though_a_try_fails_after_its_peers_ended(t
     outcome = node(paths, [sys.executable, "-c", DCP_FOLDER, str(paths.checkpoints)], hooks).run()
     assert outcome.state == "succeeded"
     assert listed == [41] and not answers
+
+
+def test_a_stop_a_batch_brings_is_acted_on_before_the_next_look_at_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep stops a child (contract §13) in the transaction that stores its report, and the
+    batch's answer says so: the node stops then, not at its next look at the job. With that
+    look a thousand seconds away, the node still stops long before its 30 s of training end."""
+    monkeypatch.setattr(supervisor_module, "CONTROL_EVERY_S", 1000.0)
+    rec = Recorder()
+    stored = rec.write_batch
+
+    def stop_after_ten(batch: Batch) -> JobControl | None:
+        control = stored(batch)
+        return JobControl("running", 1, stop="early_stop") if len(rec.steps) >= 10 else control
+
+    hooks = rec.hooks()
+    hooks.write_batch = stop_after_ten
+    node = supervisor(tmp_path, hooks, seconds=30.0)
+    outcome = node.run()
+    assert node.stop_reason == "early_stop" and outcome.state == "succeeded"
+    assert len(rec.steps) < 200  # 30 s of a step every 50 ms would be 600
