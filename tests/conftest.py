@@ -64,6 +64,7 @@ MARKS: dict[str, tuple[str, ...]] = {
     "workers/launcher/test_seccomp.py": ("torchrun",),
     "workers/launcher/test_supervisor_storing.py": ("torchrun",),
     "workers/launcher/test_warm_pool.py": ("torchrun",),
+    "workers/launcher/test_worker_node.py": ("torchrun",),
     "workers/runtime/test_runtime_checkpoint.py": ("torchrun",),
     "workers/runtime/test_runtime_cpu_slots.py": ("torchrun",),
     "workers/runtime/test_runtime_ddp_knobs.py": ("torchrun",),

@@ -1,5 +1,6 @@
-"""On a CUDA host only (issue #22): single on cuda:0, ddp with nccl, fp16 with its GradScaler
-resumed, bf16, and DataParallel over two GPUs, each launched by the real torchrun.
+"""On a CUDA host only (issues #22, #37): single on cuda:0, ddp with nccl, fp16 with its
+GradScaler resumed, bf16, and DataParallel over two GPUs, each launched as a worker launches
+it: the real torchrun in the worker's real sandbox (tests/workers/launcher/worker_node.py).
 
 The CPU half of each (resume exactness, the checkpoint format, SyncBN numerics) is in
 tests/workers/runtime. Exactness is not asked of a GPU resume: cuDNN's default kernels are
@@ -9,13 +10,17 @@ which resume must carry over, is compared exactly.
 
 from __future__ import annotations
 
+import io
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from tests.gpu.test_gpu_sandboxed import assert_succeeded, learned, worker_gpus
+from tests.workers.launcher.worker_node import NodeRecord, NodeSpec, run_node
 from tests.workers.runtime.test_runtime_syncbn import (
     MOMENT_CASES,
     _assert_matches_global_batchnorm,
@@ -26,101 +31,108 @@ from workers.runtime.trainer.syncbn import DataParallelWithSyncBN, convert_repli
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bash .ci/gpu)")
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DataParallel needs two GPUs")
+HYPER = {"epochs": 2, "batch_size": 64, "num_workers": 0, "synthetic_size": 2048, "report_every": 4}
 
 
-def cuda_config(jobs: Any, mode: str = "single", gpus: int = 1, **hyper: Any) -> dict[str, Any]:
-    config = jobs.config(mode, **hyper)
-    config.update(accelerator="cuda", gpus_per_node=gpus)
-    return config
+def on_gpus(
+    tmp_path: Path, mode: str = "single", gpus: int = 1, resume: Path | None = None, **hyper: Any
+) -> NodeRecord:
+    """A builtin job on the first `gpus` slots of a worker holding this host's GPUs, to its end."""
+    spec = NodeSpec(
+        mode=mode,
+        slots=tuple(range(gpus)),
+        worker_gpus=worker_gpus(),
+        hyperparameters={**HYPER, **hyper},
+        resume=resume,
+    )
+    record = run_node(tmp_path, spec)
+    assert_succeeded(record)
+    return record
 
 
-def placements(run: Any) -> list[str]:
+def placements(record: NodeRecord) -> list[str]:
     """The ranks' `placement:` log lines (workers/runtime/trainer/distributed.describe_placement)."""
-    return re.findall(r"\] placement: (.*)", run.output)
+    return re.findall(r"\] placement: (.*)", record.output)
 
 
-def net_of(path: Any) -> dict[str, torch.Tensor]:
-    return torch.load(path, weights_only=True)["state_dict"]["net"]
+def loaded(folder: Path, name: str) -> dict[str, Any]:
+    return torch.load(folder / name, weights_only=True)
 
 
-def learned(run: Any) -> bool:
-    """The loss fell: the mean of the last two reports under that of the first two (on the CPU
-    the same job goes from 2.31 to 2.13; one report alone is noisy)."""
-    losses = [e["loss"] for e in run.events()]
-    return sum(losses[-2:]) < sum(losses[:2])
+def latest(record: NodeRecord) -> dict[str, Any]:
+    name = sorted(record.checkpoints)[-1]
+    return torch.load(io.BytesIO(record.checkpoints[name]), weights_only=True)
 
 
 def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return sum(float((a[k].float() - b[k].float()).norm()) for k in a if a[k].is_floating_point())
 
 
-def test_single_trains_on_cuda_0(jobs: Any, tmp_path: Any) -> None:
-    run = jobs.start(tmp_path / "single", cuda_config(jobs, epochs=2)).ok()
-    (line,) = placements(run)
+def test_single_trains_on_cuda_0(tmp_path: Path) -> None:
+    record = on_gpus(tmp_path)
+    (line,) = placements(record)
     assert line.startswith("cuda:0 (") and line.endswith("backend none (one process)"), line
-    ckpt = torch.load(run.latest_checkpoint(), weights_only=True)
+    ckpt = latest(record)
     assert ckpt["meta"]["accelerator"] == "cuda"
     # written from the GPU, loadable anywhere: every tensor on the CPU, no wrapper prefix
     assert all(t.device.type == "cpu" for t in ckpt["state_dict"]["net"].values())
     assert not any(k.startswith("module.") for k in ckpt["state_dict"]["net"])
-    assert learned(run)
+    assert learned(record), record.progress()
 
 
-def test_ddp_runs_one_process_per_gpu_over_nccl(jobs: Any, tmp_path: Any) -> None:
+def test_ddp_runs_one_process_per_gpu_over_nccl(tmp_path: Path) -> None:
     n = min(2, torch.cuda.device_count())
-    run = jobs.start(tmp_path / "ddp", cuda_config(jobs, "ddp", gpus=n, epochs=2), nproc=n).ok()
-    lines = placements(run)
+    record = on_gpus(tmp_path, "ddp", gpus=n)
+    lines = placements(record)
     assert sorted(line.split(" ")[0] for line in lines) == [f"cuda:{i}" for i in range(n)], lines
     assert all(line.endswith("backend nccl") for line in lines), lines
-    ckpt = torch.load(run.latest_checkpoint(), weights_only=True)
+    ckpt = latest(record)
     assert ckpt["meta"]["world_size"] == n
     assert not any(k.startswith("module.") for k in ckpt["state_dict"]["net"])
 
 
 @pytest.fixture(scope="module")
-def fp16_runs(jobs: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    """4 epochs straight, and the same job resumed from its own epoch-2 checkpoint."""
+def fp16_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """4 epochs straight, and the same job resumed from its own epoch-2 checkpoint: the
+    checkpoint folders of both, and the resumed run's output."""
     root = tmp_path_factory.mktemp("fp16")
-    config = cuda_config(jobs, epochs=4, amp="fp16")
-    straight = jobs.start(root / "straight", config).ok()
-    resumed = jobs.start(root / "resumed", config, resume=straight.checkpoints / "epoch-0002.pt").ok()
-    return straight, resumed
+    straight = on_gpus(root / "straight", epochs=4, amp="fp16").written(root / "straight-ckpts")
+    resumed = on_gpus(root / "resumed", epochs=4, amp="fp16", resume=straight / "epoch-0002.pt")
+    return straight, resumed.written(root / "resumed-ckpts"), resumed.output
 
 
-def test_fp16_saves_its_grad_scaler(fp16_runs: tuple[Any, Any]) -> None:
-    straight, _ = fp16_runs
-    meta = torch.load(straight.checkpoints / "epoch-0002.pt", weights_only=True)["meta"]
-    scaler = meta["grad_scaler"]
+def test_fp16_saves_its_grad_scaler(fp16_runs: tuple[Path, Path, str]) -> None:
+    straight, _, _ = fp16_runs
+    scaler = loaded(straight, "epoch-0002.pt")["meta"]["grad_scaler"]
     assert scaler["scale"] > 0 and scaler["_growth_tracker"] > 0, scaler
 
 
 def test_fp16_resume_carries_the_scaler_on_and_lands_where_the_straight_run_did(
-    fp16_runs: tuple[Any, Any],
+    fp16_runs: tuple[Path, Path, str],
 ) -> None:
-    straight, resumed = fp16_runs
-    assert "resuming at epoch 2" in resumed.output
-    a = torch.load(straight.checkpoints / "epoch-0004.pt", weights_only=True)
-    b = torch.load(resumed.checkpoints / "epoch-0004.pt", weights_only=True)
+    straight, resumed, output = fp16_runs
+    assert "resuming at epoch 2" in output
+    a, b = loaded(straight, "epoch-0004.pt"), loaded(resumed, "epoch-0004.pt")
     assert a["step"] == b["step"]
     # a scaler started afresh would count its growth steps from the resume, not from the start
     assert a["meta"]["grad_scaler"] == b["meta"]["grad_scaler"]
-    trained = distance(a["state_dict"]["net"], net_of(straight.checkpoints / "epoch-0002.pt"))
+    trained = distance(a["state_dict"]["net"], loaded(straight, "epoch-0002.pt")["state_dict"]["net"])
     assert distance(a["state_dict"]["net"], b["state_dict"]["net"]) < 0.1 * trained
 
 
-def test_bf16_autocast_trains_on_the_gpu(jobs: Any, tmp_path: Any) -> None:
-    run = jobs.start(tmp_path / "bf16", cuda_config(jobs, epochs=2, amp="bf16")).ok()
-    assert "grad_scaler" not in torch.load(run.latest_checkpoint(), weights_only=True)["meta"]
-    assert learned(run)
+def test_bf16_autocast_trains_on_the_gpu(tmp_path: Path) -> None:
+    record = on_gpus(tmp_path, amp="bf16")
+    assert "grad_scaler" not in latest(record)["meta"]
+    assert learned(record), record.progress()
 
 
 @two_gpus
-def test_dp_splits_each_batch_over_two_gpus(jobs: Any, tmp_path: Any) -> None:
-    run = jobs.start(tmp_path / "dp", cuda_config(jobs, "dp", gpus=2, epochs=2)).ok()
-    (line,) = placements(run)
+def test_dp_splits_each_batch_over_two_gpus(tmp_path: Path) -> None:
+    record = on_gpus(tmp_path, "dp", gpus=2)
+    (line,) = placements(record)
     assert "cuda:0 (" in line and "cuda:1 (" in line, line
-    assert "single-process training" not in run.output
-    ckpt = torch.load(run.latest_checkpoint(), weights_only=True)
+    assert "single-process training" not in record.output
+    ckpt = latest(record)
     assert ckpt["meta"]["mode"] == "dp"
     assert not any(k.startswith("module.") for k in ckpt["state_dict"]["net"])
 
