@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import select
 import signal
 import subprocess
 import sys
@@ -137,6 +139,11 @@ class WarmAgentPool:
             if proc is not None:
                 _kill(proc)
             return None
+        if not self._sandbox_up(proc):
+            log.warning("the warm sandbox never came up (exit %s); starting the node cold", proc.poll())
+            _kill(proc)
+            self.sandboxes.discard(dirs)
+            return None
         try:
             self.sandboxes.place(dirs, plan)
         except OSError as exc:
@@ -153,6 +160,20 @@ class WarmAgentPool:
             self.warm_starts += 1
             return proc
         return None
+
+    def _sandbox_up(self, proc: subprocess.Popen[bytes]) -> bool:
+        """The spare's `up` line read (warm_agent.py): bubblewrap has made its binds, so its
+        folders may be moved under the node. Within `handoff_timeout_s`, else False."""
+        if proc.stdout is None:
+            return True
+        deadline = time.monotonic() + self.handoff_timeout_s
+        fd = proc.stdout.fileno()
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.1)[0]:
+                return os.read(fd, 3) == b"up\n"
+            if proc.poll() is not None:
+                return False
+        return False
 
     def start(
         self,

@@ -78,7 +78,7 @@ class SpareSandboxes:
                 dying_with_parent(argv),
                 env={"PATH": SYSTEM_PATH},
                 stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,  # its one line, `up` (warm_agent.py), then nothing
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
                 pass_fds=lifeline.pass_fds(),

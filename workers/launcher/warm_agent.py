@@ -7,6 +7,11 @@ JSON on stdin — the launch's torchrun arguments, environment, working folder a
 and from there is exactly `python -m torch.distributed.run ARGS` with that environment: the
 same agent code, the ranks it starts are ordinary torchrun ranks with the launch's
 environment. End of input (the worker went away before a job came) exits quietly.
+
+Its first act, before it imports torch, is one line on stdout, `up`: in a spare sandbox it says
+that bubblewrap has set the sandbox up around it (its binds read), so the worker may now move
+the spare's folders under a node (agents.py waits for it; a spare taken before that once lost
+its identity files to the move, and bubblewrap failed).
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import os
 import sys
 from typing import Any
 
-import torch.distributed.run as torchrun
+sys.stdout.write("up\n")
+sys.stdout.flush()
+
+import torch.distributed.run as torchrun  # noqa: E402 (after `up`: the sandbox is set up by then)
 
 MARKER = "workers.launcher.warm_agent"  # procs.py recognises a warm agent by it
 

@@ -1,19 +1,27 @@
-"""A launch plan carried out as the worker carries it out (folders, command line, environment),
-on the CPU: the harness that tests/gpu/test_gpu_mapping.py runs on a GPU host, shown to work
-here, and the rank's `placement:` line that the GPU test reads."""
+"""A launch plan carried out as the worker carries it out, on the CPU, with the harness the GPU
+suite launches through (tests/workers/launcher/worker_node.py): a CPU worker's rank is told no
+CUDA device, and says where it computes in the `placement:` line the GPU tests read."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
-from tests.gpu.test_gpu_mapping import launch_for, run_plan
+import pytest
+
+from service.states import NodeState
+from tests.workers.launcher.worker_node import NodeSpec, launch_of, run_node, worker_isolation
 from workers.launcher.command import build_launch
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the worker's sandbox as a root worker builds it")
 
 
 def test_a_cpu_plan_runs_and_its_rank_says_where_it_computes(tmp_path: Path) -> None:
-    launch = launch_for(tmp_path / "run")
-    assert build_launch(launch).env["CUDA_VISIBLE_DEVICES"] == ""
-    log = run_plan(launch)
-    assert re.findall(r"\] placement: (.*)", log) == ["cpu, backend none (one process)"]
-    assert (tmp_path / "run" / "checkpoints" / "epoch-0001.pt").exists()
+    spec = NodeSpec(hyperparameters={"epochs": 1, "batch_size": 32, "num_workers": 0, "synthetic_size": 256})
+    plan = build_launch(launch_of(tmp_path / "plan", spec, worker_isolation()))
+    assert plan.env["CUDA_VISIBLE_DEVICES"] == ""
+    record = run_node(tmp_path / "run", spec)
+    assert record.outcome is not None and record.outcome.state == NodeState.SUCCEEDED, record.output[-3000:]
+    assert re.findall(r"\] placement: (.*)", record.output) == ["cpu, backend none (one process)"]
+    assert list(record.checkpoints) == ["epoch-0001.pt"]
