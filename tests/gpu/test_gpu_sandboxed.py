@@ -6,8 +6,8 @@ harness runs in the normal suite (tests/workers/launcher/test_worker_node.py).
 What the audit found that only a GPU shows: a rank on the host's *last* GPU (the sandbox binds
 only that card, and CUDA numbers what it finds from 0), amp with accumulation and clipping
 under DDP, `compile`, SIGTERM preemption over NCCL resumed at another world size, two nodes
-of one job from two workers on one host, loader workers with pinned memory, a script job, and
-the synchronised BatchNorm of DataParallel in fp16 and bf16.
+of one job from two workers on one host, loader workers with pinned memory, a script job. (The
+synchronised BatchNorm of DataParallel, in fp16 and bf16 too, is in test_gpu_training.py.)
 """
 
 from __future__ import annotations
@@ -20,19 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from service.states import NodeState
 from tests.workers.launcher.worker_node import NodeRecord, NodeSpec, run_node, run_nodes, script
 from tests.workers.runtime.conftest import free_port
-from tests.workers.runtime.test_runtime_syncbn import (
-    LOWP_CASES,
-    _assert_lowp_matches_float64,
-    _lowp_inputs,
-    _moment_layer,
-)
 from workers.launcher import devices
-from workers.runtime.trainer.syncbn import DataParallelWithSyncBN, convert_replica_batchnorm
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or shutil.which("nvidia-smi") is None,
@@ -191,27 +183,3 @@ def test_two_nodes_of_one_job_from_two_workers_on_one_host(tmp_path: Path) -> No
     assert last_checkpoint(node0)["meta"]["world_size"] == 2
     (line,) = placements(node1)
     assert uuid_of(gpus[1]) in line and "backend nccl" in line, line
-
-
-@two_gpus
-@pytest.mark.parametrize(("kind", "dtype"), LOWP_CASES)
-def test_dataparallel_syncbn_in_low_precision_on_two_gpus_sums_in_float32(
-    kind: str, dtype: torch.dtype
-) -> None:
-    layer = convert_replica_batchnorm(
-        nn.Sequential(_moment_layer(nn.BatchNorm2d if kind == "2d" else nn.BatchNorm1d))
-    ).cuda()
-    model = DataParallelWithSyncBN(layer.train(), device_ids=[0, 1])
-    x, dy = _lowp_inputs(kind, dtype)
-    x = x.cuda().requires_grad_()
-    out = model(x)
-    out.backward(dy.cuda())
-    bn = layer[0]
-    got = {
-        "out": out.detach().cpu(),
-        "x_grad": x.grad.cpu(),
-        "weight_grad": bn.weight.grad.cpu(),
-        "bias_grad": bn.bias.grad.cpu(),
-        "running_var": bn.running_var.cpu(),
-    }
-    _assert_lowp_matches_float64(got, kind, dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,11 @@ from torch import nn
 from tests.gpu.test_gpu_sandboxed import assert_succeeded, learned, worker_gpus
 from tests.workers.launcher.worker_node import NodeRecord, NodeSpec, run_node
 from tests.workers.runtime.test_runtime_syncbn import (
+    LOWP_CASES,
     MOMENT_CASES,
+    _assert_lowp_matches_float64,
     _assert_matches_global_batchnorm,
+    _lowp_inputs,
     _moment_inputs,
     _moment_layer,
 )
@@ -137,24 +141,45 @@ def test_dp_splits_each_batch_over_two_gpus(tmp_path: Path) -> None:
     assert not any(k.startswith("module.") for k in ckpt["state_dict"]["net"])
 
 
-@two_gpus
-@pytest.mark.parametrize(("kind", "spread"), MOMENT_CASES)
-def test_dataparallel_syncbn_on_two_gpus_matches_one_batchnorm(kind: str, spread: str) -> None:
-    """The CPU test of the same name runs the replicas in threads; here DataParallel runs them."""
+def dataparallel_syncbn(
+    kind: str, x: torch.Tensor, backward: Callable[[torch.Tensor], None]
+) -> dict[str, torch.Tensor]:
+    """One synchronised BatchNorm under DataParallel over GPUs 0 and 1, fed `x`: its output,
+    gradients and running variance, on the CPU."""
     layer = convert_replica_batchnorm(
         nn.Sequential(_moment_layer(nn.BatchNorm2d if kind == "2d" else nn.BatchNorm1d))
     ).cuda()
     model = DataParallelWithSyncBN(layer.train(), device_ids=[0, 1])
-    x, proj = _moment_inputs(kind, spread, 8)
     x = x.cuda().requires_grad_()
     out = model(x)
-    (out * proj.cuda()).sum().backward()
+    backward(out)
     bn = layer[0]
-    got = {
+    assert x.grad is not None and bn.weight.grad is not None and bn.bias.grad is not None
+    return {
         "out": out.detach().cpu(),
         "x_grad": x.grad.cpu(),
         "weight_grad": bn.weight.grad.cpu(),
         "bias_grad": bn.bias.grad.cpu(),
         "running_var": bn.running_var.cpu(),
     }
+
+
+@two_gpus
+@pytest.mark.parametrize(("kind", "spread"), MOMENT_CASES)
+def test_dataparallel_syncbn_on_two_gpus_matches_one_batchnorm(kind: str, spread: str) -> None:
+    """The CPU test of the same name runs the replicas in threads; here DataParallel runs them."""
+    x, proj = _moment_inputs(kind, spread, 8)
+    got = dataparallel_syncbn(kind, x, lambda out: (out * proj.cuda()).sum().backward())
     _assert_matches_global_batchnorm(got, kind, spread)
+
+
+@two_gpus
+@pytest.mark.parametrize(("kind", "dtype"), LOWP_CASES)
+def test_dataparallel_syncbn_in_low_precision_on_two_gpus_sums_in_float32(
+    kind: str, dtype: torch.dtype
+) -> None:
+    """fp16 and bf16 inputs (as autocast hands them on): statistics and parameter gradients
+    summed in float32, against native BatchNorm in float64 (issue #37)."""
+    x, dy = _lowp_inputs(kind, dtype)
+    got = dataparallel_syncbn(kind, x, lambda out: out.backward(dy.cuda()))
+    _assert_lowp_matches_float64(got, kind, dtype)
