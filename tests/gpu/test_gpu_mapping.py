@@ -9,15 +9,19 @@ form the worker was given, and names it in its log (`placement:`).
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from service.states import NodeState
-from tests.workers.launcher.worker_node import NodeSpec, launch_of, run_node, worker_isolation
+from tests.workers.launcher.worker_node import (
+    NodeSpec,
+    assert_succeeded,
+    launch_of,
+    run_node,
+    worker_isolation,
+)
 from workers.launcher import devices
 from workers.launcher.command import build_launch
 
@@ -38,6 +42,6 @@ def test_slot_0_runs_on_the_first_gpu_of_the_workers_own_list(form: str, tmp_pat
     plan = build_launch(launch_of(tmp_path / "plan", spec, worker_isolation()))
     assert plan.env["CUDA_VISIBLE_DEVICES"] == expected.uuid  # by UUID, whatever the worker's form
     record = run_node(tmp_path / "run", spec)
-    assert record.outcome is not None and record.outcome.state == NodeState.SUCCEEDED, record.output[-3000:]
-    (line,) = re.findall(r"\] placement: (.*)", record.output)
+    assert_succeeded(record)
+    (line,) = record.placements()
     assert line.startswith("cuda:0 (") and expected.uuid in line, (line, expected)

@@ -10,8 +10,6 @@ which resume must carry over, is compared exactly.
 
 from __future__ import annotations
 
-import io
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.gpu.test_gpu_sandboxed import assert_succeeded, learned, worker_gpus
-from tests.workers.launcher.worker_node import NodeRecord, NodeSpec, run_node
+from tests.gpu.test_gpu_sandboxed import learned, worker_gpus
+from tests.workers.launcher.worker_node import NodeRecord, NodeSpec, assert_succeeded, run_node
 from tests.workers.runtime.test_runtime_syncbn import (
     LOWP_CASES,
     MOMENT_CASES,
@@ -54,18 +52,8 @@ def on_gpus(
     return record
 
 
-def placements(record: NodeRecord) -> list[str]:
-    """The ranks' `placement:` log lines (workers/runtime/trainer/distributed.describe_placement)."""
-    return re.findall(r"\] placement: (.*)", record.output)
-
-
 def loaded(folder: Path, name: str) -> dict[str, Any]:
     return torch.load(folder / name, weights_only=True)
-
-
-def latest(record: NodeRecord) -> dict[str, Any]:
-    name = sorted(record.checkpoints)[-1]
-    return torch.load(io.BytesIO(record.checkpoints[name]), weights_only=True)
 
 
 def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -74,9 +62,9 @@ def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def test_single_trains_on_cuda_0(tmp_path: Path) -> None:
     record = on_gpus(tmp_path)
-    (line,) = placements(record)
+    (line,) = record.placements()
     assert line.startswith("cuda:0 (") and line.endswith("backend none (one process)"), line
-    ckpt = latest(record)
+    ckpt = record.last_checkpoint()
     assert ckpt["meta"]["accelerator"] == "cuda"
     # written from the GPU, loadable anywhere: every tensor on the CPU, no wrapper prefix
     assert all(t.device.type == "cpu" for t in ckpt["state_dict"]["net"].values())
@@ -87,10 +75,10 @@ def test_single_trains_on_cuda_0(tmp_path: Path) -> None:
 def test_ddp_runs_one_process_per_gpu_over_nccl(tmp_path: Path) -> None:
     n = min(2, torch.cuda.device_count())
     record = on_gpus(tmp_path, "ddp", gpus=n)
-    lines = placements(record)
+    lines = record.placements()
     assert sorted(line.split(" ")[0] for line in lines) == [f"cuda:{i}" for i in range(n)], lines
     assert all(line.endswith("backend nccl") for line in lines), lines
-    ckpt = latest(record)
+    ckpt = record.last_checkpoint()
     assert ckpt["meta"]["world_size"] == n
     assert not any(k.startswith("module.") for k in ckpt["state_dict"]["net"])
 
@@ -126,17 +114,17 @@ def test_fp16_resume_carries_the_scaler_on_and_lands_where_the_straight_run_did(
 
 def test_bf16_autocast_trains_on_the_gpu(tmp_path: Path) -> None:
     record = on_gpus(tmp_path, amp="bf16")
-    assert "grad_scaler" not in latest(record)["meta"]
+    assert "grad_scaler" not in record.last_checkpoint()["meta"]
     assert learned(record), record.progress()
 
 
 @two_gpus
 def test_dp_splits_each_batch_over_two_gpus(tmp_path: Path) -> None:
     record = on_gpus(tmp_path, "dp", gpus=2)
-    (line,) = placements(record)
+    (line,) = record.placements()
     assert "cuda:0 (" in line and "cuda:1 (" in line, line
     assert "single-process training" not in record.output
-    ckpt = latest(record)
+    ckpt = record.last_checkpoint()
     assert ckpt["meta"]["mode"] == "dp"
     assert not any(k.startswith("module.") for k in ckpt["state_dict"]["net"])
 

@@ -5,13 +5,17 @@ CUDA device, and says where it computes in the `placement:` line the GPU tests r
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
 
-from service.states import NodeState
-from tests.workers.launcher.worker_node import NodeSpec, launch_of, run_node, worker_isolation
+from tests.workers.launcher.worker_node import (
+    NodeSpec,
+    assert_succeeded,
+    launch_of,
+    run_node,
+    worker_isolation,
+)
 from workers.launcher.command import build_launch
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the worker's sandbox as a root worker builds it")
@@ -22,6 +26,6 @@ def test_a_cpu_plan_runs_and_its_rank_says_where_it_computes(tmp_path: Path) -> 
     plan = build_launch(launch_of(tmp_path / "plan", spec, worker_isolation()))
     assert plan.env["CUDA_VISIBLE_DEVICES"] == ""
     record = run_node(tmp_path / "run", spec)
-    assert record.outcome is not None and record.outcome.state == NodeState.SUCCEEDED, record.output[-3000:]
-    assert re.findall(r"\] placement: (.*)", record.output) == ["cpu, backend none (one process)"]
+    assert_succeeded(record)
+    assert record.placements() == ["cpu, backend none (one process)"]
     assert list(record.checkpoints) == ["epoch-0001.pt"]

@@ -6,15 +6,13 @@ user; the two nodes of one job, each its own worker's, train together."""
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from service.states import NodeState
-from tests.workers.launcher.worker_node import NodeRecord, NodeSpec, run_node, run_nodes, script
+from tests.workers.launcher.worker_node import NodeSpec, assert_succeeded, run_node, run_nodes, script
 from tests.workers.runtime.conftest import free_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the worker's sandbox as a root worker builds it")
@@ -58,14 +56,9 @@ def test_the_two_nodes_of_a_job_each_in_its_own_workers_sandbox_train_together(t
     assert_succeeded(node0)
     assert_succeeded(node1)
     assert node0.checkpoints and not node1.checkpoints  # rank 0 writes the file checkpoints
-    last = torch.load(io.BytesIO(list(node0.checkpoints.values())[-1]), weights_only=True)
-    assert last["meta"]["world_size"] == 2, last["meta"]
+    meta = node0.last_checkpoint()["meta"]
+    assert meta["world_size"] == 2, meta
     assert "placement: cpu, backend gloo" in node1.output, node1.output[-3000:]
-
-
-def assert_succeeded(record: NodeRecord) -> None:
-    assert record.outcome is not None, "the node never ended"
-    assert record.outcome.state == NodeState.SUCCEEDED, (record.outcome, record.output[-3000:])
 
 
 def test_an_fsdp_node_saves_its_dcp_folder_from_the_sandbox_and_one_rank_resumes_it(tmp_path: Path) -> None:

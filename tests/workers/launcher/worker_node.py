@@ -12,7 +12,9 @@ store (every log byte, every event, every checkpoint file), and the job's contro
 
 from __future__ import annotations
 
+import io
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -21,7 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from service.nodes.values import Batch, JobControl, NodeKey, NodeLimits, NodeOutcome
+from service.states import NodeState
 from tests.workers.runtime.conftest import free_port
 from workers.launcher import devices, sandbox
 from workers.launcher.command import NodeLaunch, build_launch
@@ -57,6 +62,15 @@ class NodeRecord:
     def progress(self) -> list[dict[str, Any]]:
         return [e for e in self.events if e.get("type") == "progress"]
 
+    def placements(self) -> list[str]:
+        """The ranks' `placement:` log lines (workers/runtime/trainer/distributed.describe_placement)."""
+        return re.findall(r"\] placement: (.*)", self.output)
+
+    def last_checkpoint(self) -> dict[str, Any]:
+        """The file checkpoint taken last, loaded."""
+        assert self.checkpoints, self.output[-3000:]
+        return torch.load(io.BytesIO(list(self.checkpoints.values())[-1]), weights_only=True)
+
     def written(self, folder: Path) -> Path:
         """The stored checkpoints laid out under `folder` as a download gives them: a file per
         file checkpoint, a folder per folder checkpoint."""
@@ -69,6 +83,11 @@ class NodeRecord:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(blob)
         return folder
+
+
+def assert_succeeded(record: NodeRecord) -> None:
+    assert record.outcome is not None, "the node never ended"
+    assert record.outcome.state == NodeState.SUCCEEDED, (record.outcome, record.output[-4000:])
 
 
 @dataclass
