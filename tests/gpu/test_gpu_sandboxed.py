@@ -12,7 +12,6 @@ synchronised BatchNorm of DataParallel, in fp16 and bf16 too, is in test_gpu_tra
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import shutil
@@ -21,8 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from service.states import NodeState
-from tests.workers.launcher.worker_node import NodeRecord, NodeSpec, run_node, run_nodes, script
+from tests.workers.launcher.worker_node import (
+    NodeRecord,
+    NodeSpec,
+    assert_succeeded,
+    run_node,
+    run_nodes,
+    script,
+)
 from tests.workers.runtime.conftest import free_port
 from workers.launcher import devices
 
@@ -48,23 +53,9 @@ def uuid_of(device_id: str) -> str:
     return found[0].uuid
 
 
-def placements(record: NodeRecord) -> list[str]:
-    return re.findall(r"\] placement: (.*)", record.output)
-
-
-def assert_succeeded(record: NodeRecord) -> None:
-    assert record.outcome is not None, "the node never ended"
-    assert record.outcome.state == NodeState.SUCCEEDED, (record.outcome, record.output[-4000:])
-
-
 def learned(record: NodeRecord) -> bool:
     losses = [e["loss"] for e in record.progress() if "loss" in e]
     return len(losses) >= 4 and sum(losses[-2:]) < sum(losses[:2])
-
-
-def last_checkpoint(record: NodeRecord) -> dict:  # type: ignore[type-arg]
-    assert record.checkpoints, record.output[-4000:]
-    return torch.load(io.BytesIO(list(record.checkpoints.values())[-1]), weights_only=True)
 
 
 SEES = """
@@ -100,7 +91,7 @@ def test_a_builtin_job_on_the_hosts_last_gpu_trains_there(tmp_path: Path) -> Non
     last = len(gpus) - 1
     record = run_node(tmp_path, NodeSpec(slots=(last,), worker_gpus=gpus, hyperparameters=HYPER))
     assert_succeeded(record)
-    (line,) = placements(record)
+    (line,) = record.placements()
     assert line.startswith("cuda:0 (") and uuid_of(gpus[last]) in line, line
     assert learned(record), record.progress()
 
@@ -113,7 +104,7 @@ def test_ddp_with_amp_accumulation_and_clipping(tmp_path: Path, amp: str) -> Non
     record = run_node(tmp_path, NodeSpec(mode="ddp", slots=slots, worker_gpus=gpus, hyperparameters=hyper))
     assert_succeeded(record)
     assert learned(record), record.progress()
-    ckpt = last_checkpoint(record)
+    ckpt = record.last_checkpoint()
     if amp == "fp16":  # the GradScaler's state is saved, and clipping saw unscaled gradients
         assert ckpt["meta"].get("grad_scaler"), list(ckpt["meta"])
     for name, tensor in ckpt["state_dict"]["net"].items():
@@ -161,6 +152,7 @@ def test_sigterm_over_nccl_checkpoints_and_resumes_at_another_world_size(tmp_pat
     ddp = NodeSpec(mode="ddp", slots=(0, 1), worker_gpus=gpus, hyperparameters=long, stop_grace_s=60)
     stopped = run_node(tmp_path / "a", ddp, stop_when=lambda r: len(r.progress()) >= 2)
     assert stopped.outcome is not None and stopped.outcome.error == "preempted", stopped.output[-4000:]
+    assert stopped.checkpoints, stopped.output[-4000:]  # rank 0 saved at SIGTERM, within the grace
     name, blob = list(stopped.checkpoints.items())[-1]
     resume = tmp_path / name
     resume.write_bytes(blob)
@@ -180,6 +172,6 @@ def test_two_nodes_of_one_job_from_two_workers_on_one_host(tmp_path: Path) -> No
     node0, node1 = run_nodes(tmp_path, specs)
     assert_succeeded(node0)
     assert_succeeded(node1)
-    assert last_checkpoint(node0)["meta"]["world_size"] == 2
-    (line,) = placements(node1)
+    assert node0.last_checkpoint()["meta"]["world_size"] == 2
+    (line,) = node1.placements()
     assert uuid_of(gpus[1]) in line and "backend nccl" in line, line

@@ -167,13 +167,17 @@ class WarmAgentPool:
         if proc.stdout is None:
             return True
         deadline = time.monotonic() + self.handoff_timeout_s
-        fd = proc.stdout.fileno()
-        while time.monotonic() < deadline:
-            if select.select([fd], [], [], 0.1)[0]:
-                return os.read(fd, 3) == b"up\n"
-            if proc.poll() is not None:
-                return False
-        return False
+        poller = select.poll()  # not select(): a busy worker's descriptors pass 1023
+        poller.register(proc.stdout.fileno(), select.POLLIN)
+        try:
+            while time.monotonic() < deadline:
+                if poller.poll(100):
+                    return os.read(proc.stdout.fileno(), 3) == b"up\n"
+                if proc.poll() is not None:
+                    return False
+            return False
+        finally:
+            proc.stdout.close()  # read once, never again: the job never talks to the worker here
 
     def start(
         self,

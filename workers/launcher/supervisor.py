@@ -508,10 +508,17 @@ class NodeSupervisor:
             self.awaiting.append((part, found.name))
 
     def _list_awaiting(self, hooks: FolderHooks) -> None:
-        waiting = []
-        for part, name in self.awaiting:
+        """Each awaiting part listed where it can be, in order; on a failure the parts listed
+        before it are awaited no more, and it and those after it are tried again."""
+        waiting: list[tuple[int, str]] = []
+        for i, (part, name) in enumerate(self.awaiting):
             meta = checkpoint_meta(self.ckpt_meta.get(name), name)
-            if hooks.try_list(part, meta) is None:
+            try:
+                listed = hooks.try_list(part, meta)
+            except Exception:
+                self.awaiting = waiting + self.awaiting[i:]
+                raise
+            if listed is None:
                 waiting.append((part, name))
         self.awaiting = waiting
 

@@ -21,10 +21,11 @@ import os
 import sys
 from typing import Any
 
-sys.stdout.write("up\n")
-sys.stdout.flush()
+if __name__ == "__main__":  # run as the agent, not imported
+    sys.stdout.write("up\n")
+    sys.stdout.flush()
 
-import torch.distributed.run as torchrun  # noqa: E402 (after `up`: the sandbox is set up by then)
+import torch.distributed.run as torchrun  # after `up`: the sandbox is set up by then
 
 MARKER = "workers.launcher.warm_agent"  # procs.py recognises a warm agent by it
 

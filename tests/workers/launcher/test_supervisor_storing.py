@@ -265,3 +265,44 @@ def test_a_stop_a_batch_brings_is_acted_on_before_the_next_look_at_the_job(
     outcome = node.run()
     assert node.stop_reason == "early_stop" and outcome.state == "succeeded"
     assert len(rec.steps) < 200  # 30 s of a step every 50 ms would be 600
+
+
+TWO_DCP_FOLDERS = """
+import os, sys
+for epoch in ("epoch-0001", "epoch-0002"):
+    folder = os.path.join(sys.argv[1], epoch)
+    os.makedirs(folder)
+    for name in ("__0_0.distcp", ".metadata"):
+        with open(os.path.join(folder, name), "wb") as out:
+            out.write(b"x" * 64)
+"""
+
+
+def test_a_folder_listed_before_a_failed_try_is_not_tried_again(tmp_path: Path) -> None:
+    """Two folders awaiting: the first is listed, the second's try fails. The first is awaited
+    no more (tried again, its part gone, it would never answer and be reported never whole)."""
+    paths = NodePaths(run_dir=tmp_path / "node")
+    parts = iter(range(1, 10))
+    tries: list[int] = []
+
+    def try_list(part: int, meta: dict[str, Any] | None) -> int | None:
+        tries.append(part)
+        if part == 2 and tries.count(2) == 1:
+            raise ConnectionError("the database is away")
+        return 100 + part
+
+    def store_part(name: str, version: int, files: Any, opener: Any) -> int:
+        for sig in files:
+            opener(sig).close()
+        return next(parts)
+
+    hooks = Hooks(
+        write_batch=lambda batch: ("running", 1),
+        record_checkpoint=lambda *_: None,
+        job_control=lambda: ("running", 1),
+        peers_ended=lambda: datetime.now(UTC),
+        folders=FolderHooks(store_part=store_part, try_list=try_list),
+    )
+    argv = [sys.executable, "-c", TWO_DCP_FOLDERS, str(paths.checkpoints)]
+    assert node(paths, argv, hooks).run().state == "succeeded"
+    assert tries == [1, 2, 2]
