@@ -17,7 +17,7 @@ from service.nodes.claims import Claimed, claim_for_launch, record_end
 from service.nodes.code import resolve_script, storage_key
 from service.nodes.values import Batch, NodeKey, NodeLimits, NodeOutcome
 from service.states import NodeState
-from workers import exec_endpoint
+from workers import exec_endpoint, node_mesh
 from workers.code_cache import CodeUnavailable, unpacked_code
 from workers.context import WorkerContext
 from workers.environments import EnvironmentFailed, ensure_environment
@@ -42,11 +42,14 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         )
         return "skipped"
     run_dir = ctx.run_root / f"job-{job_id}" / f"attempt-{attempt}" / f"node-{node_rank}"
-    supervisor = None
+    supervisor = mesh = None
     node_db = KeptConnection(ctx.db)
     try:
         resume = _fetch_resume(ctx, claimed.resume) if claimed.resume else None
         launch = _launch(ctx, key, claimed, run_dir, resume[0] if resume else None)
+        if _meets_over_veth(ctx, launch):
+            mesh = node_mesh.join(ctx, key, launch.rendezvous_timeout_s)
+            launch = dataclasses.replace(launch, master_addr=mesh.master_address, veth=mesh.veth)
         supervisor = NodeSupervisor(
             key=key,
             plan=build_launch(launch),
@@ -79,6 +82,9 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         outcome = NodeOutcome(state=NodeState.FAILED, error=f"node {node_rank}: {exc.detail[0]['msg']}")
     except _NotReady as exc:
         outcome = NodeOutcome(state=NodeState.FAILED, error=f"node {node_rank}: {exc}")
+    except node_mesh.MeshFailed as exc:
+        error = f"node {node_rank} on worker {ctx.name}: {exc}"
+        outcome = NodeOutcome(state=NodeState.FAILED, error=error, retryable=exc.retryable)
     except EnvironmentFailed as exc:  # not retried: the same requirements fail the same way
         _store_build_log(node_db, key, run_dir)
         outcome = NodeOutcome(state=NodeState.FAILED, error=f"environment: {exc}")
@@ -89,6 +95,8 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         )
     finally:
         node_db.close()
+        if mesh is not None:
+            mesh.close()
     record_end(ctx.db, key, outcome, worker=ctx.name)
     node_checkpoints.end_node(ctx.db, ctx.storage, key)
     if supervisor is not None:
@@ -97,6 +105,12 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         remove_run_dir(NodePaths(run_dir=run_dir, tmp_root=tmp_root()))
     log.info("job %s attempt %s node %s ended: %s", job_id, attempt, node_rank, outcome.state)
     return outcome.state
+
+
+def _meets_over_veth(ctx: WorkerContext, launch: NodeLaunch) -> bool:
+    """A multi-node job on a worker of routed job networks, in the sandbox (node_mesh.py)."""
+    routed = ctx.settings.job_network == "routed" and ctx.isolation.sandboxed
+    return routed and launch.nnodes > 1
 
 
 def _folder_hooks(ctx: WorkerContext, key: NodeKey, nnodes: int) -> FolderHooks:

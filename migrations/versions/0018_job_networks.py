@@ -1,4 +1,4 @@
-"""a job node's own network (contract §7, v3): reserved; filled by the job-network change
+"""a job node's own network (contract §7, v3): reserved, left empty (the column came in 0020, after 0019 had landed)
 
 Revision ID: 0018
 Revises: 0017

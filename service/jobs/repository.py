@@ -377,6 +377,24 @@ def runs_of(session: Session, job_id: int, attempt: int) -> Sequence[NodeRun]:
     )
 
 
+def set_job_address(session: Session, job_id: int, attempt: int, node_rank: int, address: str) -> None:
+    session.execute(
+        update(NodeRun)
+        .where(NodeRun.job_id == job_id, NodeRun.attempt == attempt, NodeRun.node_rank == node_rank)
+        .values(job_address=address)
+    )
+
+
+def job_addresses(session: Session, job_id: int, attempt: int) -> list[tuple[int, str, str | None]]:
+    """(node rank, its worker host's address, its own job address) for every node of the attempt."""
+    rows = session.execute(
+        select(NodeRun.node_rank, NodeRun.address, NodeRun.job_address)
+        .where(NodeRun.job_id == job_id, NodeRun.attempt == attempt)
+        .order_by(NodeRun.node_rank)
+    ).all()
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
 def node_states(session: Session, job_id: int, attempt: int) -> list[str]:
     """The state of each node of the attempt, in no order: whether every one has ended."""
     return list(

@@ -144,6 +144,9 @@ class NodeRun(Base):
     worker_session: Mapped[str | None] = mapped_column(String(64))
     gpus: Mapped[list[int]] = mapped_column(JSON)
     address: Mapped[str] = mapped_column(String(255))
+    # a routed multi-node job (contract §7 v3): the node's own address, in its network
+    # namespace, which the other nodes route to and meet at (node 0's: the rendezvous)
+    job_address: Mapped[str | None] = mapped_column(String(45), nullable=True)
     # pending -> running -> succeeded | failed | cancelled | lost
     state: Mapped[str] = mapped_column(String(16), default="pending")
     exit_code: Mapped[int | None] = mapped_column(Integer)

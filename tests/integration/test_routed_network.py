@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -15,9 +17,10 @@ import pytest
 
 from service.testing import harness
 from service.testing.harness import Stack, script_job
+from tests.integration.test_multinode import two_hosts
 from tests.workers.launcher.test_job_network import WORLD, WORLD_GATEWAY, WORLD_PORT, world
 
-__all__ = ["world"]  # the fixture: a host beyond this one, answering "world"
+__all__ = ["two_hosts", "world"]  # the fixtures: two hosts in namespaces; a host beyond this one
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a routed job network needs a root worker")
 
 
@@ -62,3 +65,55 @@ def test_a_ddp_job_meets_on_its_own_loopback_and_trains(stack: Stack) -> None:
     )
     done = stack.wait_job(job["id"], timeout=180)
     assert done["state"] == "succeeded", stack.describe(job["id"])
+
+
+HOST_LISTENER = r"""
+import socket
+s = socket.create_server(("0.0.0.0", 9000))
+while True:
+    c, _ = s.accept(); c.sendall(b"host"); c.close()
+"""
+
+
+def test_a_routed_two_host_job_meets_over_its_own_addresses_and_reaches_no_host(two_hosts) -> None:
+    """Two hosts (network namespaces), each worker routed with a job subnet of its own: the
+    job's two nodes meet at node 0's own address and all-reduce; neither reaches a service on
+    either host (a listener on host a, host b's address, PostgreSQL through the LAN gateway)."""
+    stack, net, env = two_hosts
+    addresses = {}
+    for index, name in enumerate(("hosta", "hostb")):
+        addresses[name] = net.add_host(name)
+        routed = {**env, "TORCHJOBS_JOB_NETWORK": "routed", "TORCHJOBS_JOB_SUBNET": f"10.240.{index}.0/24"}
+        stack.start_worker(name, 1, address=addresses[name], extra_env=routed, netns=net.namespace(name))
+    listener = subprocess.Popen(
+        ["ip", "netns", "exec", net.namespace("hosta"), sys.executable, "-c", HOST_LISTENER]
+    )
+    try:
+        pg = f"{net.gateway}:{urlparse(env['TORCHJOBS_DATABASE_URL']).port}"
+        walled = [f"{addresses['hosta']}:9000", f"{addresses['hostb']}:9000", pg]
+        job = stack.submit(
+            {
+                "mode": "ddp",
+                "nodes": 2,
+                "gpus_per_node": 1,
+                "entrypoint": {"kind": "script", "path": "mesh_probe.py", "args": walled},
+            }
+        )
+        done = stack.wait_job(job["id"], timeout=240)
+        assert done["state"] == "succeeded", stack.describe(job["id"])
+        seen = {}
+        with stack.client() as c:
+            for node in (0, 1):
+                log = c.get(f"/v1/jobs/{job['id']}/logs", params={"node": node, "rank": 0}).text
+                line = next(x for x in log.splitlines() if x.startswith("PROBE "))
+                seen[node] = json.loads(line.removeprefix("PROBE "))
+    finally:
+        listener.kill()
+        listener.wait()
+    assert seen[0]["sum"] == seen[1]["sum"] == 3.0, seen
+    node0_host = next(a["worker"] for a in done["assignments"] if a["node_rank"] == 0)
+    assert seen[0]["master"].startswith("10.240.0." if node0_host == "hosta" else "10.240.1."), seen
+    assert seen[1]["peer"] == "peer", seen  # its own other node, at that node's own address
+    for node in (0, 1):
+        for target in walled:
+            assert seen[node][target] in ("TimeoutError", "OSError"), (node, target, seen)

@@ -128,10 +128,8 @@ class WarmAgentPool:
     ) -> subprocess.Popen[bytes] | None:
         """A spare sandbox moved under the node and handed its launch, or None (then nothing
         of a spare is left, and the run folder may already be made)."""
-        if self.sandboxes is None or not self.enabled:
+        if self.sandboxes is None or not self._spare_fits(plan):
             return None
-        if self.sandboxes.private_network != plan.private_network:
-            return None  # the spare waits for a node of its kind (a multi-node job's: host network)
         proc, dirs = self._take()
         if proc is None or dirs is None:
             if dirs is not None:
@@ -160,6 +158,13 @@ class WarmAgentPool:
             self.warm_starts += 1
             return proc
         return None
+
+    def _spare_fits(self, plan: LaunchPlan) -> bool:
+        """A spare waits for a node of its kind (a multi-node job's: host network); a node
+        whose veth was made beforehand starts cold (its torchrun waits for the veth first,
+        command.AWAIT_ROUTE, which a spare's agent does not)."""
+        fits = self.sandboxes is not None and self.sandboxes.private_network == plan.private_network
+        return self.enabled and fits and plan.veth is None
 
     def _sandbox_up(self, proc: subprocess.Popen[bytes]) -> bool:
         """The spare's `up` line read (warm_agent.py): bubblewrap has made its binds, so its

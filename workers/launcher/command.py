@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, overload
 
+from workers.launcher.job_network import Attached
 from workers.launcher.sandbox import (
     ENV_FILE,
     RUN_DIR,
@@ -69,6 +70,8 @@ class NodeLaunch:
     worker_slots: int = 0
     private_network: bool = False  # (sandboxed, single-node) a network namespace of its own
     routed_subnet: str | None = None  # ...with a routed veth from this subnet (job_network.py)
+    # a routed multi-node job's node: its veth, made before the launch (workers/node_mesh.py)
+    veth: Attached | None = None
     # contract §12: what torchrun waits between the SIGTERM it forwards and its SIGKILL (its
     # own default, 30 s, would cut a multi-GB checkpoint written in the job's grace)
     stop_grace_s: int = 120
@@ -147,6 +150,7 @@ class LaunchPlan:
     code_dir: Path | None = None  # the job's unpacked code, copied to `paths.workdir` by prepare()
     private_network: bool = False  # its sandbox has a network namespace of its own
     routed_subnet: str | None = None  # and the worker plumbs a routed veth into it (job_network.py)
+    veth: Attached | None = None  # that veth, made beforehand (a routed multi-node job's node)
 
     @property
     def sandboxed(self) -> bool:
@@ -226,6 +230,8 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         config = trainer_config(launch)
         argv += ["-m", "workers.runtime.trainer.train", "--config", str(seen.config)]
     env = rank_env(launch, seen)
+    if meets_over_veth(launch):
+        argv = [launch.python, "-S", "-I", "-c", AWAIT_ROUTE, str(launch.rendezvous_timeout_s), "--", *argv]
     if not launch.isolation.sandboxed:
         return LaunchPlan(
             argv=argv, env=env, cwd=launch.run_dir, paths=paths, config=config, code_dir=launch.code_dir
@@ -253,6 +259,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         code_dir=launch.code_dir,
         private_network=mounts.private_network,
         routed_subnet=launch.routed_subnet if mounts.private_network else None,
+        veth=launch.veth if mounts.private_network else None,
     )
 
 
@@ -286,8 +293,32 @@ HOST_INTERFACE_VARS = frozenset({"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP
 
 def in_own_network(launch: NodeLaunch) -> bool:
     """A sandboxed single-node job on a worker of private (or routed) job networks: its ranks
-    talk over their own loopback. Multi-node jobs keep the host's network."""
-    return launch.private_network and launch.nnodes == 1 and launch.isolation.sandboxed
+    talk over their own loopback. A multi-node job's node too where its veth was made before
+    (routed: workers/node_mesh.py); else multi-node jobs keep the host's network."""
+    own = launch.nnodes == 1 or launch.veth is not None
+    return launch.private_network and own and launch.isolation.sandboxed
+
+
+def meets_over_veth(launch: NodeLaunch) -> bool:
+    """A routed multi-node job's node: its ranks meet the other nodes' over `eth0`."""
+    return in_own_network(launch) and launch.nnodes > 1
+
+
+# Before torchrun, in a routed multi-node job's sandbox: the veth is moved in from outside a
+# moment after the sandbox starts, and the rendezvous and gloo need it, so wait for its default
+# route (job_network.move_in adds it last). `python -S -I -c AWAIT_ROUTE SECONDS -- ARGV...`
+AWAIT_ROUTE = (
+    "import os, sys, time\n"
+    "deadline = time.monotonic() + float(sys.argv[1])\n"
+    "def routed():\n"
+    "    with open('/proc/net/route') as fh:\n"
+    "        return any(line.split()[1] == '00000000' for line in fh.readlines()[1:])\n"
+    "while not routed():\n"
+    "    if time.monotonic() > deadline:\n"
+    "        sys.exit('torchjobs: the node network never came up')\n"
+    "    time.sleep(0.02)\n"
+    "os.execv(sys.argv[3], sys.argv[3:])\n"
+)
 
 
 def host_network_env(passed: Mapping[str, str]) -> dict[str, str]:
@@ -300,6 +331,8 @@ def rank_env(launch: NodeLaunch, paths: NodePaths) -> dict[str, str]:
     the job's own `env`, then ours (the job cannot override those)."""
     env = {"PATH": f"{Path(launch.python).parent}:{SYSTEM_PATH}"}
     env.update(host_network_env(launch.base_env) if in_own_network(launch) else launch.base_env)
+    if meets_over_veth(launch):  # gloo, NCCL and TensorPipe advertise the veth's address
+        env.update(dict.fromkeys(sorted(HOST_INTERFACE_VARS), "eth0"))
     env.update(launch.user_env)
     env.update(
         HOME=str(paths.home),

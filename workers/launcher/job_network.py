@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import random
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 log = logging.getLogger("torchjobs.worker")
 
 TABLE = "torchjobs"
+PEERS = "peers"  # (job address . job address): the nodes of one multi-node job, both ways
+CHAINS = ("input", "forward", "postrouting")
 HOST_IF = "tjh"  # + the slot's index in hex: the host end of a node's veth
 PEER_IF = "tjj"  # its other end, renamed eth0 inside the sandbox
 WALLED = (
@@ -93,6 +96,20 @@ def host_subnets() -> list[str]:
     return sorted(set(found))
 
 
+def local_job_networks() -> list[ipaddress.IPv4Network]:
+    """The /30s of this host's job veths (any worker's): a peer there is reached directly."""
+    done = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=30)
+    found = []
+    for line in done.stdout.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[1].startswith(HOST_IF) and fields[2] == "inet":
+            with contextlib.suppress(ValueError):
+                network = ipaddress.ip_interface(fields[3]).network
+                if isinstance(network, ipaddress.IPv4Network):
+                    found.append(network)
+    return found
+
+
 def rules(
     subnet: str, allow: list[tuple[str, int | None]] | None = None, extra_walled: list[str] | None = None
 ) -> str:
@@ -107,8 +124,13 @@ def rules(
     ]
     return "\n".join(
         [
+            # the chains and `flows` rewritten whole in one transaction; `peers` kept: a sibling
+            # worker's start must not cut the meshes of the multi-node jobs running beside it
             f"add table inet {TABLE}",
-            f"delete table inet {TABLE}",
+            f"add set inet {TABLE} {PEERS} {{ type ipv4_addr . ipv4_addr; }}",
+            *(f"add chain inet {TABLE} {c}\ndelete chain inet {TABLE} {c}" for c in CHAINS),
+            f"add set inet {TABLE} flows {{ type ipv4_addr; size 65535; flags dynamic; }}",
+            f"delete set inet {TABLE} flows",
             f"table inet {TABLE} {{",
             "  set flows {",  # each job address's open connections, counted by conntrack
             "    type ipv4_addr; size 65535; flags dynamic;",
@@ -119,6 +141,7 @@ def rules(
             "  }",
             "  chain forward {",
             "    type filter hook forward priority -10; policy accept;",
+            f"    ip saddr . ip daddr @{PEERS} accept",  # a multi-node job's nodes, to each other
             f'    {jobs} oifname "{HOST_IF}*" drop',
             *opened,
             f"    {jobs} ip daddr {{ {walled} }} drop",
@@ -130,6 +153,7 @@ def rules(
             "  }",
             "  chain postrouting {",
             "    type nat hook postrouting priority 100; policy accept;",
+            f"    ip saddr . ip daddr @{PEERS} accept",  # routed as they are, not masqueraded
             f'    ip saddr {subnet} oifname != "{HOST_IF}*" masquerade',
             "  }",
             "}",
@@ -167,10 +191,21 @@ class Attached:
     host_address: str
     job_address: str
 
+    @property
+    def peer_if(self) -> str:
+        return PEER_IF + self.host_if.removeprefix(HOST_IF)
+
 
 def attach(outer_pid: int, subnet: str) -> Attached:
     """Plumb a veth into the network namespace of the sandbox whose bwrap is `outer_pid`."""
-    inner = _sandbox_child(outer_pid)
+    veth = reserve(subnet)
+    move_in(outer_pid, veth)
+    return veth
+
+
+def reserve(subnet: str) -> Attached:
+    """A veth pair and its /30, made before the sandbox exists: a multi-node job's nodes learn
+    each other's addresses (and node 0's, their rendezvous) before any of them starts."""
     network = ipaddress.ip_network(subnet)
     slots = network.num_addresses // 4
     start = random.randrange(slots)
@@ -189,23 +224,118 @@ def attach(outer_pid: int, subnet: str) -> Attached:
     else:
         raise NetworkUnavailable(f"every /30 of {subnet} is in use on this host")
     base = network.network_address + 4 * index
-    host, job = str(base + 1), str(base + 2)
+    veth = Attached(host_if=name, host_address=str(base + 1), job_address=str(base + 2))
     try:
-        _run(["ip", "link", "set", f"{PEER_IF}{index:x}", "netns", str(inner)])
-        _run(["ip", "addr", "add", f"{host}/30", "dev", name])
-        _run(["ip", "link", "set", name, "up"])
+        _run(["ip", "addr", "add", f"{veth.host_address}/30", "dev", name])
+        _strict_source(name)
+        _forget_peers(veth.job_address)
+    except NetworkUnavailable:
+        release(veth)
+        raise
+    return veth
+
+
+def move_in(outer_pid: int, veth: Attached) -> None:
+    """The veth's inner end into the sandbox's namespace, as `eth0` with a default route."""
+    try:
+        inner = _sandbox_child(outer_pid)
+        _run(["ip", "link", "set", veth.peer_if, "netns", str(inner)])
+        _run(["ip", "link", "set", veth.host_if, "up"])
         inside = [
-            f"link set {PEER_IF}{index:x} name eth0",
-            f"addr add {job}/30 dev eth0",
+            f"link set {veth.peer_if} name eth0",
+            f"addr add {veth.job_address}/30 dev eth0",
             "link set eth0 up",
             "link set lo up",
-            f"route add default via {host}",
+            f"route add default via {veth.host_address}",
         ]
         _run(["nsenter", f"--net=/proc/{inner}/ns/net", "ip", "-batch", "-"], "\n".join(inside) + "\n")
     except NetworkUnavailable:
-        subprocess.run(["ip", "link", "del", name], capture_output=True)
+        release(veth)
         raise
-    return Attached(host_if=name, host_address=host, job_address=job)
+
+
+def release(veth: Attached) -> None:
+    """The pair, where the sandbox never took it (once inside, it dies with the namespace)."""
+    subprocess.run(["ip", "link", "del", veth.host_if], capture_output=True)
+
+
+def _strict_source(host_if: str) -> None:
+    """Strict reverse-path filtering on the host end: a packet from the job must carry the
+    job's own address (IP_FREEBIND lets an unprivileged socket send from any), so the `peers`
+    pairs cannot be borrowed by another job."""
+    try:
+        with open(f"/proc/sys/net/ipv4/conf/{host_if}/rp_filter", "w") as fh:
+            fh.write("1\n")
+    except OSError as exc:
+        raise NetworkUnavailable(f"could not turn reverse-path filtering on for {host_if}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another node of the same job: its veth's job address, and its worker host's address."""
+
+    job_address: str
+    host_address: str
+    local: bool  # on this host: its /30 is connected here, no route needed
+
+
+class Mesh:
+    """The nodes of one multi-node job, let through to each other (the `peers` pairs, both
+    ways) and routed across hosts (a /32 to each remote node through its host). What a
+    node opens it closes at its end; what a killed worker left, the next node given the same
+    address forgets first (reserve())."""
+
+    def __init__(self, mine: Attached, peers: list[Peer]) -> None:
+        self.mine, self.peers = mine, peers
+
+    def open(self) -> None:
+        for peer in self.peers:
+            if not peer.local:
+                _run(["ip", "route", "replace", f"{peer.job_address}/32", "via", peer.host_address])
+        if self.peers:
+            _run(["nft", "-f", "-"], f"add element inet {TABLE} {PEERS} {{ {self._pairs()} }}\n")
+
+    def close(self) -> None:
+        if self.peers:
+            subprocess.run(
+                ["nft", "-f", "-"],
+                input=f"delete element inet {TABLE} {PEERS} {{ {self._pairs()} }}\n",
+                capture_output=True,
+                text=True,
+            )
+        for peer in self.peers:
+            if not peer.local:  # another node of this host may route there still: only a /32 of ours
+                subprocess.run(
+                    ["ip", "route", "del", f"{peer.job_address}/32", "via", peer.host_address],
+                    capture_output=True,
+                )
+
+    def _pairs(self) -> str:
+        me = self.mine.job_address
+        both = ((me, p.job_address) for p in self.peers), ((p.job_address, me) for p in self.peers)
+        return ", ".join(f"{a} . {b}" for pairs in both for a, b in pairs)
+
+
+def _forget_peers(job_address: str) -> None:
+    """Pairs naming an address now given to a new node: left by a node whose worker was killed."""
+    listed = subprocess.run(
+        ["nft", "-j", "list", "set", "inet", TABLE, PEERS], capture_output=True, text=True, timeout=30
+    )
+    if listed.returncode != 0:
+        raise NetworkUnavailable(f"nft list set {PEERS}: {listed.stderr.strip()}")
+    stale = [f"{a} . {b}" for a, b in _elements(listed.stdout) if job_address in (a, b)]
+    if stale:
+        _run(["nft", "-f", "-"], f"delete element inet {TABLE} {PEERS} {{ {', '.join(stale)} }}\n")
+
+
+def _elements(listing: str) -> list[tuple[str, str]]:
+    out = []
+    for item in json.loads(listing).get("nftables", []):
+        for elem in item.get("set", {}).get("elem", []):
+            pair = elem.get("concat") if isinstance(elem, dict) else None
+            if isinstance(pair, list) and len(pair) == 2:
+                out.append((str(pair[0]), str(pair[1])))
+    return out
 
 
 def _sandbox_child(outer_pid: int) -> int:

@@ -237,7 +237,11 @@ class NodeSupervisor:
         """A routed job network (TORCHJOBS_JOB_NETWORK=routed): the sandbox's veth, from outside."""
         if self.plan.routed_subnet is None:
             return
-        attached = job_network.attach(proc.pid, self.plan.routed_subnet)
+        if self.plan.veth is not None:  # made before the launch (a routed multi-node job's node)
+            job_network.move_in(proc.pid, self.plan.veth)
+            attached = self.plan.veth
+        else:
+            attached = job_network.attach(proc.pid, self.plan.routed_subnet)
         log.info("job %s node %s: network %s via %s", self.key.job_id, self.key.node_rank,
                  attached.job_address, attached.host_if)  # fmt: skip
 

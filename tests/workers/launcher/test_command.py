@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,6 +140,56 @@ def test_a_node_in_its_own_network_namespace_gets_no_host_interface_names() -> N
     # a multi-node job keeps the host's network, and the names its peers are reached by
     two = build_launch(launch(base_env=passed, nnodes=2, private_network=True, isolation=iso)).env
     assert two["GLOO_SOCKET_IFNAME"] == "tj0"
+
+
+def test_a_routed_multi_node_job_s_node_meets_its_peers_over_its_own_veth() -> None:
+    """Its veth made beforehand (workers/node_mesh.py): its own namespace, gloo/NCCL/TensorPipe
+    on eth0 (not the host's tj0; the job's own env still wins), and torchrun only once the
+    veth's route is there (it is moved in a moment after the sandbox starts)."""
+    from workers.launcher.command import AWAIT_ROUTE
+    from workers.launcher.job_network import Attached
+
+    passed = passthrough({**WORKER_ENV, "GLOO_SOCKET_IFNAME": "tj0"}, "OMP_NUM_THREADS,NCCL_*,GLOO_*")
+    iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap="/bw", uid=4242, gid=4243)
+    veth = Attached(host_if="tjh5", host_address="10.213.0.21", job_address="10.213.0.22")
+    node = launch(base_env=passed, nnodes=2, private_network=True, isolation=iso, veth=veth,
+                  master_addr="10.213.0.22", routed_subnet="10.213.0.0/16")  # fmt: skip
+    plan = build_launch(node)
+    assert "--unshare-net" in plan.argv and plan.veth == veth and plan.private_network
+    assert [plan.env[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")] == [
+        "eth0"
+    ] * 3
+    gate = plan.inner_argv[: plan.inner_argv.index("--") + 1]
+    assert gate == [node.python, "-S", "-I", "-c", AWAIT_ROUTE, str(node.rendezvous_timeout_s), "--"]
+    assert plan.inner_argv[len(gate) : len(gate) + 3] == [node.python, "-m", "torch.distributed.run"]
+    assert "--master-addr=10.213.0.22" in plan.inner_argv
+    own = build_launch(dataclasses.replace(node, user_env={"GLOO_SOCKET_IFNAME": "lo"}))
+    assert own.env["GLOO_SOCKET_IFNAME"] == "lo"
+    # without a veth made beforehand (the private mode), a multi-node job keeps the host's network
+    host = build_launch(dataclasses.replace(node, veth=None))
+    assert "--unshare-net" not in host.argv and host.env["GLOO_SOCKET_IFNAME"] == "tj0"
+    assert host.inner_argv[:3] == [node.python, "-m", "torch.distributed.run"]
+
+
+def test_the_route_gate_waits_for_a_default_route_then_becomes_the_command() -> None:
+    """In a network namespace of its own (root, as CI runs): no default route, the gate gives
+    up after its time, saying why; a route added a moment later, it becomes the command."""
+    from workers.launcher.command import AWAIT_ROUTE
+
+    gate = [sys.executable, "-S", "-I", "-c", AWAIT_ROUTE]
+    none = subprocess.run(
+        ["unshare", "--net", *gate, "0.5", "--", "/bin/echo", "no"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert none.returncode == 1 and "never came up" in none.stderr and none.stdout == "", none.stderr
+    later = 'ip link set lo up; (sleep 0.5; ip route add default dev lo) & exec "$@"'
+    went = subprocess.run(
+        ["unshare", "--net", "sh", "-c", later, "sh", *gate, "20", "--", "/bin/echo", "went on"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (went.returncode, went.stdout) == (0, "went on\n"), went.stderr
 
 
 def test_a_sandboxed_launch_runs_torchrun_inside_bubblewrap_with_its_own_view() -> None:

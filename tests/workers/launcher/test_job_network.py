@@ -229,7 +229,11 @@ def test_the_rules_wall_private_ranges_and_other_jobs_and_masquerade_the_rest() 
     assert 'iifname "tjh*" oifname "tjh*" drop' in text
     assert "169.254.0.0/16" in text and "10.0.0.0/8" in text
     assert f'ip saddr {SUBNET} oifname != "tjh*" masquerade' in text
-    assert text.startswith("add table inet torchjobs\ndelete table inet torchjobs\n")  # whole, at once
+    # one transaction: the chains and `flows` made anew, the mesh pairs (`peers`) kept
+    assert text.startswith("add table inet torchjobs\nadd set inet torchjobs peers ")
+    for chain in ("input", "forward", "postrouting"):
+        assert f"add chain inet torchjobs {chain}\ndelete chain inet torchjobs {chain}\n" in text
+    assert "delete set inet torchjobs flows\n" in text and "delete set inet torchjobs peers" not in text
 
 
 def test_the_admin_opens_ranges_and_ports_in_the_walled_ones() -> None:
@@ -270,3 +274,105 @@ def test_the_host_lan_is_walled_and_a_job_holds_a_bounded_number_of_flows() -> N
     assert f"ip saddr ct count over {job_network.FLOWS_MAX} }} drop" in text
     subnets = job_network.host_subnets()
     assert subnets and not any(s.startswith("127.") for s in subnets), subnets
+
+
+REACH = r"""
+import socket, sys, time
+deadline = time.monotonic() + float(sys.argv[2])
+seen = "never tried"
+while time.monotonic() < deadline:
+    try:
+        with socket.create_connection((sys.argv[1], 9000), timeout=1) as s:
+            seen = s.recv(16).decode() or "connected"
+            break
+    except OSError as exc:
+        seen = type(exc).__name__
+        time.sleep(0.1)
+print(seen)
+"""
+
+
+def _reach(tmp_path: Path, name: str, address: str, seconds: float) -> str:
+    """What a sandbox of its own, with a veth reserved beforehand, finds at `address`:9000."""
+    veth = job_network.reserve(SUBNET)
+    proc = _sandbox(tmp_path, name, [sys.executable, "-c", REACH, address, str(seconds)])
+    try:
+        job_network.move_in(proc.pid, veth)
+        out, err = proc.communicate(timeout=seconds + 30)
+    finally:
+        _end(proc)
+    return out.decode().strip() or err.decode()[-500:]
+
+
+def _peers_listed() -> str:
+    done = subprocess.run(
+        ["nft", "list", "set", "inet", "torchjobs", "peers"], capture_output=True, text=True
+    )
+    return done.stdout
+
+
+def test_a_mesh_lets_a_job_s_nodes_reach_each_other_and_nobody_else(tmp_path: Path) -> None:
+    """Two nodes of one job on this host (their veths made before their sandboxes, as
+    node_mesh.join makes them), meshed: one reaches the other; a third node, of another job,
+    reaches neither; once the mesh is closed, nor does the first."""
+    job_network.prepare_host(SUBNET)
+    listener_veth = job_network.reserve(SUBNET)
+    listener = _sandbox(tmp_path, "node0", [sys.executable, "-c", LISTEN])
+    try:
+        job_network.move_in(listener.pid, listener_veth)
+        address = listener_veth.job_address
+        peer_veth = job_network.reserve(SUBNET)
+        peer = job_network.Peer(job_address=address, host_address="192.0.2.1", local=True)
+        mesh = job_network.Mesh(peer_veth, [peer])
+        mesh.open()
+        try:
+            sandbox_proc = _sandbox(tmp_path, "node1", [sys.executable, "-c", REACH, address, "15"])
+            try:
+                job_network.move_in(sandbox_proc.pid, peer_veth)
+                out, err = sandbox_proc.communicate(timeout=60)
+            finally:
+                _end(sandbox_proc)
+            assert out.decode().strip() == "job", err.decode()[-2000:]
+            assert _reach(tmp_path, "other", address, 4) in ("TimeoutError", "timeout")
+        finally:
+            mesh.close()
+        listed = _peers_listed()
+        assert address not in listed, listed  # closed: nothing of it left
+    finally:
+        _end(listener)
+
+
+def test_a_new_node_forgets_the_pairs_a_killed_worker_left_for_its_address() -> None:
+    job_network.prepare_host(SUBNET)
+    stale = "10.213.250.2 . 10.213.250.6, 10.213.250.6 . 10.213.250.2, 10.213.250.10 . 10.213.250.14"
+    subprocess.run(["nft", "add", "element", "inet", "torchjobs", "peers", f"{{ {stale} }}"], check=True)
+    job_network.prepare_host(SUBNET)  # a sibling worker's start keeps them (a running mesh's)
+    job_network._forget_peers("10.213.250.2")
+    listed = _peers_listed()
+    assert "10.213.250.2 " not in listed and "10.213.250.10 . 10.213.250.14" in listed
+    job_network._forget_peers("10.213.250.10")
+
+
+def test_a_mesh_routes_remote_nodes_through_their_hosts_and_takes_its_routes_back(tmp_path: Path) -> None:
+    job_network.prepare_host(SUBNET)
+    mine = job_network.reserve(SUBNET)
+    try:
+        remote = job_network.Peer(job_address="10.214.0.6", host_address=WORLD_GATEWAY, local=False)
+        # the remote host's address must be reachable for a route through it: on a link of ours
+        gateway_link = f"tjg{os.getpid() % 100000}"
+        _ip("link", "add", gateway_link, "type", "veth", "peer", "name", f"{gateway_link}p")
+        try:
+            _ip("addr", "add", f"{WORLD_GATEWAY}/32", "dev", gateway_link)
+            _ip("link", "set", gateway_link, "up")
+            _ip("route", "add", f"{WORLD_GATEWAY}/32", "dev", gateway_link)
+            mesh = job_network.Mesh(mine, [remote])
+            mesh.open()
+            shown = subprocess.run(["ip", "route", "show", "10.214.0.6/32"], capture_output=True, text=True)
+            assert f"via {WORLD_GATEWAY}" in shown.stdout, shown.stdout
+            mesh.close()
+            shown = subprocess.run(["ip", "route", "show", "10.214.0.6/32"], capture_output=True, text=True)
+            assert shown.stdout.strip() == ""
+        finally:
+            subprocess.run(["ip", "link", "del", gateway_link], capture_output=True)
+    finally:
+        job_network.release(mine)

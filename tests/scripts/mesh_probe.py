@@ -1,0 +1,50 @@
+"""A routed multi-node job's walls from inside (contract §7 v3), one JSON line per rank.
+
+`python mesh_probe.py HOST:PORT ...` under torchrun, `ddp` on 2 nodes of 1 rank: the ranks
+meet over gloo and all-reduce (their own nodes reach each other), rank 0 listens on
+MESH_PORT and rank 1 connects to it at MASTER_ADDR (node 0's own address), and every rank
+tries each HOST:PORT given (the hosts' services: none may answer)."""
+
+import json
+import os
+import socket
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+MESH_PORT = 29911
+
+
+def reach(host: str, port: int, timeout: float = 2.0) -> str:
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as conn:
+            return conn.recv(16).decode() or "connected"
+    except OSError as exc:
+        return type(exc).__name__
+
+
+def serve(server: socket.socket) -> None:
+    conn, _ = server.accept()
+    conn.sendall(b"peer")
+    conn.close()
+
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+total = torch.tensor([rank + 1.0])
+dist.all_reduce(total)
+if rank == 0:
+    server = socket.create_server(("0.0.0.0", MESH_PORT))
+    threading.Thread(target=serve, args=(server,), daemon=True).start()
+dist.barrier()
+seen = {"sum": total.item(), "master": os.environ["MASTER_ADDR"]}
+if rank == 1:
+    seen["peer"] = reach(os.environ["MASTER_ADDR"], MESH_PORT)
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    seen[target] = reach(host, int(port))
+print("PROBE " + json.dumps(seen), flush=True)
+dist.barrier()
+dist.destroy_process_group()

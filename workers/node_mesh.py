@@ -1,0 +1,119 @@
+"""A routed multi-node job's nodes meet (contract §7 v3, `TORCHJOBS_JOB_NETWORK=routed`).
+
+Each node's ranks run in a network namespace of their own, as a single-node job's do, with a
+veth from its host's `TORCHJOBS_JOB_SUBNET`. Before any of its ranks starts, a node makes that
+veth (so its address is known), says the address on its row, waits until every node of the
+attempt has said one, then opens the job's mesh on its host: the pairs of the job's addresses
+let through the host's walls, and a /32 route to each node on another host through that
+host's address. Node 0's address is the rendezvous. No other job, and nothing of any host,
+is reachable from the ranks (job_network.py); the world is, as for single-node jobs.
+
+Why addresses published through the database rather than derived: the worker hosts know each
+other only through the control plane, and a /30 is taken on its host by whichever node makes
+the veth first (several workers may share a host). A host's subnet must be its own in the
+cluster: a peer whose address falls in this host's subnet cannot be routed to, and the node
+fails saying so.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from dataclasses import dataclass
+
+from service.nodes import reports
+from service.nodes.mesh import MeshNode, mesh_of, publish_address
+from service.nodes.values import NodeKey
+from service.states import JobState
+from workers.context import WorkerContext
+from workers.launcher import job_network
+
+LOOK_S = 0.2  # between looks at the other nodes' rows while they make their veths
+CONTROL_EVERY_S = 1.0  # a job cancelled meanwhile ends the wait
+
+
+class MeshFailed(Exception):
+    """The nodes did not all meet in time (retried, as a rendezvous that fails), or their
+    hosts' subnets overlap (not: the same hosts would fail the same way)."""
+
+    def __init__(self, message: str, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+@dataclass
+class JoinedMesh:
+    veth: job_network.Attached
+    mesh: job_network.Mesh | None
+    master_address: str
+
+    def close(self) -> None:
+        if self.mesh is not None:
+            self.mesh.close()
+        job_network.release(self.veth)
+
+
+def join(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> JoinedMesh:
+    """This node's veth, its address said, every other node's awaited, the mesh opened."""
+    subnet = ctx.settings.job_subnet
+    try:
+        veth = job_network.reserve(subnet)
+    except job_network.NetworkUnavailable as exc:
+        raise MeshFailed(f"its network could not be made: {exc}") from exc
+    joined = JoinedMesh(veth=veth, mesh=None, master_address=veth.job_address)
+    try:
+        publish_address(ctx.db, key, veth.job_address)
+        nodes = _await_all(ctx, key, timeout_s)
+        joined.master_address = nodes[0].job_address
+        joined.mesh = job_network.Mesh(veth, _peers(key, nodes, subnet))
+        joined.mesh.open()
+    except job_network.NetworkUnavailable as exc:
+        joined.close()
+        raise MeshFailed(f"its mesh could not be opened: {exc}") from exc
+    except BaseException:
+        joined.close()
+        raise
+    return joined
+
+
+def _await_all(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> list[MeshNode]:
+    deadline = time.monotonic() + timeout_s
+    next_control = 0.0
+    while True:
+        known, missing = mesh_of(ctx.db, key)
+        if not missing:
+            return known
+        now = time.monotonic()
+        if now >= deadline:
+            raise MeshFailed(f"nodes {missing} never said their network address in {timeout_s:.0f} s")
+        if now >= next_control:
+            next_control = now + CONTROL_EVERY_S
+            _still_wanted(ctx, key)
+        time.sleep(LOOK_S)
+
+
+def _still_wanted(ctx: WorkerContext, key: NodeKey) -> None:
+    if ctx.shutdown.is_set():
+        raise MeshFailed("the worker is shutting down")
+    control = reports.job_control(ctx.db, key.job_id)
+    if control is None or control.attempt != key.attempt or control.state != JobState.RUNNING:
+        raise MeshFailed("the attempt ended while its nodes met")
+
+
+def _peers(key: NodeKey, nodes: list[MeshNode], subnet: str) -> list[job_network.Peer]:
+    own = ipaddress.ip_network(subnet)
+    here = job_network.local_job_networks()
+    peers = []
+    for node in nodes:
+        if node.node_rank == key.node_rank:
+            continue
+        address = ipaddress.ip_address(node.job_address)
+        local = any(address in net for net in here)
+        if not local and address in own:
+            raise MeshFailed(
+                f"node {node.node_rank}'s address {address} (on host {node.host_address}) is in this "
+                f"host's TORCHJOBS_JOB_SUBNET {subnet}: give each worker host a subnet of its own",
+                retryable=False,
+            )
+        peers.append(job_network.Peer(node.job_address, node.host_address, local))
+    return peers
