@@ -25,6 +25,7 @@ in this order:
 | checkpoint | bench/checkpoint_download.py: 1 GiB download, RSS | fastest plain server |
 | fsdp-checkpoint | bench/fsdp_checkpoint.py: fsdp stall per async DCP save | sync dcp.save; none |
 | folder-checkpoint | bench/folder_checkpoint.py: 1 GiB from 2 nodes to listed; download | cp -r; disk read |
+| mesh | bench/mesh.py: a routed 2-node DDP job's throughput and first step | the hosts' network |
 
 No timing target is ever asserted: the command fails only when a benchmark itself fails (a
 crash, a timeout, a stream that missed events). Targets are printed next to the ratios.
@@ -325,6 +326,7 @@ BENCHMARKS = [
         [PY, "-m", "bench.folder_checkpoint"],
         [PY, "-m", "bench.folder_checkpoint", "--smoke"],
     ),
+    Bench("mesh", [PY, "-m", "bench.mesh"], [PY, "-m", "bench.mesh", "--smoke"], timeout_smoke=600),
 ]
 NAMES = [b.name for b in BENCHMARKS]
 

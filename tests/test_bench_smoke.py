@@ -38,6 +38,7 @@ BENCHMARKS = (
     "checkpoint",
     "fsdp-checkpoint",
     "folder-checkpoint",
+    "mesh",
 )
 CHEAPEST = ("trainer",)  # 7 s of the smoke's ~280 s here
 RUN = BENCHMARKS if os.environ.get("TORCHJOBS_BENCH_SMOKE") == "all" else CHEAPEST

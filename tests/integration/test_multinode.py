@@ -22,7 +22,7 @@ import torch
 
 from service.testing import harness
 from service.testing.harness import Stack, pids_of_job, wait_for
-from tests.netns import Network, netns_available
+from service.testing.netns import Network, netns_available
 
 DIGITS = {"kind": "builtin", "model": "cnn", "dataset": "digits"}
 SMALL = {"kind": "builtin", "model": "mlp", "dataset": "synthetic"}
