@@ -19,8 +19,9 @@ host (written whole at worker start, so several workers on one host agree), wall
 Why a veth and not user-mode NAT (`pasta`, `slirp4netns`) or uid-matching rules on the host
 network: ARCHITECTURE.md, "A job's network". The plumbing happens right after the sandbox
 starts, from outside: the ranks find the world reachable a moment after their start (their own
-loopback, the rendezvous of a single-node job, is there from the first instant). Multi-node
-jobs stay on the host network (their ranks advertise addresses the other hosts must reach).
+loopback, the rendezvous of a single-node job, is there from the first instant). A multi-node
+job's node makes its veth before its sandbox (`reserve`, then `move_in`), and its nodes are let
+through to each other by the `peers` pairs and the routes of a `Mesh` (workers/node_mesh.py).
 """
 
 from __future__ import annotations

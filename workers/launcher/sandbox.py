@@ -16,7 +16,9 @@ sandbox Flatpak is built on) makes the namespaces, from Debian's package or from
 Either way the ranks see: the system and the Python environment read-only, the node's run
 folder as `/job` (writable), its short TMPDIR as `/tmp`, the resume file read-only under
 `/resume`, a private `/proc` (their own processes only), a private `/dev` with `/dev/shm`, the
-job's GPU device files, and the host network (the rendezvous needs it). Nothing else: not
+job's GPU device files, and a network namespace of their own (`TORCHJOBS_JOB_NETWORK`: a
+single-node job's, and with `routed` a multi-node job's too; else the host network, where the
+rendezvous across hosts needs it). Nothing else: not
 `TORCHJOBS_HOME`, the database, the token file, the storage root or another job's folder.
 
 The ranks' environment does not pass through bwrap's (a root bwrap would honour variables a
