@@ -1,4 +1,4 @@
-"""a job node's own network (contract §7, v3): reserved, left empty (the column came in 0020, after 0019 had landed)
+"""a job node's own network (contract §7, v3): reserved and left empty (its column came in 0020)
 
 Revision ID: 0018
 Revises: 0017
