@@ -142,12 +142,13 @@ def rules(
             "  }",
             "  chain forward {",
             "    type filter hook forward priority -10; policy accept;",
+            # first: a job's connections to its own other nodes fill the shared table too
+            f"    {jobs} ct state new add @flows {{ ip saddr ct count over {FLOWS_MAX} }} drop",
             f"    ip saddr . ip daddr @{PEERS} accept",  # a multi-node job's nodes, to each other
             f'    {jobs} oifname "{HOST_IF}*" drop',
             *opened,
             f"    {jobs} ip daddr {{ {walled} }} drop",
             f"    {jobs} meta nfproto ipv6 drop",
-            f"    {jobs} ct state new add @flows {{ ip saddr ct count over {FLOWS_MAX} }} drop",
             f"    {jobs} accept",
             f'    oifname "{HOST_IF}*" ct state established,related accept',
             f'    oifname "{HOST_IF}*" drop',

@@ -272,6 +272,8 @@ def test_the_host_lan_is_walled_and_a_job_holds_a_bounded_number_of_flows() -> N
     text = job_network.rules(SUBNET, extra_walled=["192.0.2.0/24", "10.1.0.0/16"])
     assert "192.0.2.0/24" in text and "10.1.0.0/16" not in text  # merged into 10.0.0.0/8
     assert f"ip saddr ct count over {job_network.FLOWS_MAX} }} drop" in text
+    # a job's connections to its own other nodes count too: before the mesh is let through
+    assert text.index("ct count over") < text.index("ip saddr . ip daddr @peers accept")
     subnets = job_network.host_subnets()
     assert subnets and not any(s.startswith("127.") for s in subnets), subnets
 
