@@ -1,9 +1,15 @@
 """The suite's time per test folder, printed at the end of every run, with a warning once the
 whole CI run (both tiers of `.ci/test`) passes 40 minutes: CI's budget is 90, the team's bar 30,
-and a suite that creeps up is seen in the run that made it creep, not a week later."""
+and a suite that creeps up is seen in the run that made it creep, not a week later.
+
+Each run also writes its time per module to `test-artifacts/module-seconds-<tier>.json`:
+copied into `tests/module_seconds.json`, it is what orders the modules longest first
+(tests/conftest.py), so the last module to start is a short one and neither process of the
+two waits long for the other at the end."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import defaultdict
@@ -14,6 +20,7 @@ import pytest
 WARN_AFTER_S = 40 * 60
 _totals: dict[str, float] = defaultdict(float)
 _counts: dict[str, int] = defaultdict(int)
+_modules: dict[str, float] = defaultdict(float)
 _session_started = time.time()
 
 
@@ -34,6 +41,7 @@ def ci_started_at() -> float:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     folder = folder_of(report.nodeid)
     _totals[folder] += report.duration
+    _modules[report.nodeid.split("::")[0].removeprefix("tests/")] += report.duration
     if report.when == "call":
         _counts[folder] += 1
 
@@ -45,6 +53,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for folder, seconds in sorted(_totals.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{seconds:8.1f} s  {_counts[folder]:5d} tests  {folder}")
     terminalreporter.write_line(f"{sum(_totals.values()):8.1f} s  in all")
+    _write_module_seconds(terminalreporter.config)
     elapsed = time.time() - ci_started_at()
     if elapsed > WARN_AFTER_S:
         terminalreporter.write_line(
@@ -53,3 +62,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             red=True,
             bold=True,
         )
+
+
+def _write_module_seconds(config: pytest.Config) -> None:
+    """Only a run of a whole tier (`-m` given, no paths, no `-k`): a partial run's figures
+    would replace a module's with a few of its tests'."""
+    marker = config.getoption("markexpr", "")
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("keyword", "")
+    if not marker or not whole:
+        return
+    tier = "marked" if not marker.startswith("not") else "fast"
+    folder = config.rootpath / "test-artifacts"
+    folder.mkdir(exist_ok=True)
+    ordered = dict(sorted(((k, round(v, 1)) for k, v in _modules.items()), key=lambda kv: -kv[1]))
+    (folder / f"module-seconds-{tier}.json").write_text(json.dumps(ordered, indent=1) + "\n")

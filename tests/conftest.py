@@ -3,6 +3,8 @@ and how the suite is split for `.ci/test` (tiers, xdist groups, Redis databases 
 
 from __future__ import annotations
 
+import json
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,6 +113,45 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for mark in MARKS.get(key, ()):
             item.add_marker(getattr(pytest.mark, mark))
         item.add_marker(pytest.mark.xdist_group(xdist_group_of(key)))
+    items[:] = longest_groups_first(items)
+
+
+# A module not yet in tests/module_seconds.json: as long as this per test if it is marked
+# (a stack, torchrun), else as a unit test.
+UNKNOWN_MARKED_S, UNKNOWN_UNIT_S = 8.0, 0.2
+MODULE_SECONDS = TESTS / "module_seconds.json"
+
+
+def longest_groups_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """xdist hands whole groups to whichever process is free, in collection order: longest
+    first, the two processes end close together (a long module last leaves one idle for its
+    whole length). Each group's tests keep their order. The times are the last CI's
+    (tests/ci_report.py writes them)."""
+    try:
+        known: dict[str, float] = json.loads(MODULE_SECONDS.read_text())
+    except (OSError, ValueError):
+        known = {}
+    cost: dict[str, float] = defaultdict(float)
+    seen: set[str] = set()
+    for item in items:
+        key = module_key(item.path)
+        group = xdist_group_of(key)
+        if key in known:
+            if key not in seen:
+                cost[group] += known[key]
+        else:
+            cost[group] += UNKNOWN_MARKED_S if key in MARKS else UNKNOWN_UNIT_S
+        seen.add(key)
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first.setdefault(xdist_group_of(module_key(item.path)), index)
+    position = {id(item): index for index, item in enumerate(items)}
+
+    def order(item: pytest.Item) -> tuple[float, int, int]:
+        group = xdist_group_of(module_key(item.path))
+        return (-cost[group], first[group], position[id(item)])
+
+    return sorted(items, key=order)
 
 
 @pytest.fixture

@@ -4,8 +4,11 @@ modules that exist."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import MARKS, TESTS
 
@@ -53,3 +56,32 @@ def test_the_markers_are_the_registered_ones() -> None:
     assert {mark for marks in MARKS.values() for mark in marks} <= registered
     ci = (Path(TESTS).parent / ".ci" / "test").read_text()
     assert 'MARKED="stack or torchrun or browser or bench or fault"' in ci
+
+
+def test_the_longest_groups_go_first_each_keeping_its_tests_in_order(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """xdist hands whole groups out in collection order: a long module must not come last."""
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    def item(key: str, name: str) -> SimpleNamespace:
+        return SimpleNamespace(path=TESTS / key, name=name)
+
+    items = [
+        item("service/test_a.py", "a1"),
+        item("service/test_a.py", "a2"),
+        item("integration/test_multinode.py", "m1"),
+        item("integration/test_multinode.py", "m2"),
+        item("service/streams/test_logs.py", "s1"),  # the fixed-Redis group, with the next
+        item("service/checkpoints/test_code_storage.py", "c1"),
+        item("integration/test_new.py", "n1"),  # not yet timed, marked: 8 s a test
+    ]
+    monkeypatch.setattr(conftest, "MARKS", {**MARKS, "integration/test_new.py": ("stack",)})
+    times = {"service/test_a.py": 1.0, "integration/test_multinode.py": 300.0}
+    times |= {"service/streams/test_logs.py": 20.0, "service/checkpoints/test_code_storage.py": 30.0}
+    (tmp_path / "seconds.json").write_text(json.dumps(times))
+    monkeypatch.setattr(conftest, "MODULE_SECONDS", tmp_path / "seconds.json")
+    ordered = [i.name for i in conftest.longest_groups_first(items)]  # type: ignore[arg-type]
+    assert ordered == ["m1", "m2", "s1", "c1", "n1", "a1", "a2"]
