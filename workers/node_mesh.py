@@ -3,16 +3,16 @@
 Each node's ranks run in a network namespace of their own, as a single-node job's do, with a
 veth from its host's `TORCHJOBS_JOB_SUBNET`. Before any of its ranks starts, a node makes that
 veth (so its address is known), says the address on its row, waits until every node of the
-attempt has said one, then opens the job's mesh on its host: the pairs of the job's addresses
-let through the host's walls, and a /32 route to each node on another host through that
-host's address. Node 0's address is the rendezvous. No other job, and nothing of any host,
+attempt has said one, then opens the job's mesh on its host (job_mesh.py): its elements in the
+host's walls, and a /32 route to each node on another host through that host's address.
+Node 0's address is the rendezvous. No other job, and nothing of any host,
 is reachable from the ranks (job_network.py); the world is, as for single-node jobs.
 
 Why addresses published through the database rather than derived: the worker hosts know each
 other only through the control plane, and a /30 is taken on its host by whichever node makes
 the veth first (several workers may share a host). A host's subnet must be its own in the
-cluster: a peer whose address falls in this host's subnet cannot be routed to, and the node
-fails saying so.
+cluster, and an IPv4 `--address`: a remote peer whose address this host holds or could hand
+out is refused, and the node fails saying so.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from service.nodes.mesh import MeshNode, mesh_of, publish_address
 from service.nodes.values import NodeKey
 from service.states import JobState
 from workers.context import WorkerContext
-from workers.launcher import job_network
+from workers.launcher import job_mesh, job_network
 
-LOOK_S = 0.2  # between looks at the other nodes' rows while they make their veths
+LOOK_S = 0.5  # between looks at the other nodes' rows while they make their veths
 CONTROL_EVERY_S = 1.0  # a job cancelled meanwhile ends the wait
 
 
@@ -44,7 +44,7 @@ class MeshFailed(Exception):
 @dataclass
 class JoinedMesh:
     veth: job_network.Attached
-    mesh: job_network.Mesh | None
+    mesh: job_mesh.Mesh | None
     master_address: str
 
     def close(self) -> None:
@@ -65,7 +65,7 @@ def join(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> JoinedMesh:
         publish_address(ctx.db, key, veth.job_address)
         nodes = _await_all(ctx, key, timeout_s)
         joined.master_address = nodes[0].job_address
-        joined.mesh = job_network.Mesh(veth, _peers(key, nodes, subnet))
+        joined.mesh = job_mesh.Mesh(veth, _peers(key, nodes, subnet))
         joined.mesh.open()
     except job_network.NetworkUnavailable as exc:
         joined.close()
@@ -100,20 +100,41 @@ def _still_wanted(ctx: WorkerContext, key: NodeKey) -> None:
         raise MeshFailed("the attempt ended while its nodes met")
 
 
-def _peers(key: NodeKey, nodes: list[MeshNode], subnet: str) -> list[job_network.Peer]:
+def _peers(key: NodeKey, nodes: list[MeshNode], subnet: str) -> list[job_mesh.Peer]:
+    """The other nodes, each local (its worker on this host: same address, its /30 here) or
+    remote (routed through its host). A remote address that this host holds or could hand out
+    is refused: counted as local, or routed here, it would let the job into another job."""
+    here = next(n.host_address for n in nodes if n.node_rank == key.node_rank)
     own = ipaddress.ip_network(subnet)
-    here = job_network.local_job_networks()
+    on_host = job_network.local_job_networks()
     peers = []
     for node in nodes:
         if node.node_rank == key.node_rank:
             continue
         address = ipaddress.ip_address(node.job_address)
-        local = any(address in net for net in here)
-        if not local and address in own:
+        held_here = address in own or any(address in net for net in on_host)
+        if node.host_address == here:
+            if not any(address in net for net in on_host):
+                raise MeshFailed(f"node {node.node_rank}'s network ({address}) is gone from this host")
+        elif held_here:
             raise MeshFailed(
                 f"node {node.node_rank}'s address {address} (on host {node.host_address}) is in this "
-                f"host's TORCHJOBS_JOB_SUBNET {subnet}: give each worker host a subnet of its own",
+                f"host's TORCHJOBS_JOB_SUBNET {subnet} or on one of its job veths: give each worker "
+                "host a subnet of its own",
                 retryable=False,
             )
-        peers.append(job_network.Peer(node.job_address, node.host_address, local))
+        else:
+            _routable(node)
+        peers.append(job_mesh.Peer(node.job_address, node.host_address, node.host_address == here))
     return peers
+
+
+def _routable(node: MeshNode) -> None:
+    try:
+        ipaddress.IPv4Address(node.host_address)
+    except ValueError:
+        raise MeshFailed(
+            f"node {node.node_rank}'s worker address {node.host_address!r} is not an IPv4 address: a "
+            "routed multi-node job is routed through it (give workers --address as one)",
+            retryable=False,
+        ) from None

@@ -39,8 +39,15 @@ from dataclasses import dataclass
 log = logging.getLogger("torchjobs.worker")
 
 TABLE = "torchjobs"
-PEERS = "peers"  # (job address . job address): the nodes of one multi-node job, both ways
+# a multi-node job's nodes, let through to each other (job_mesh.py); each element names the
+# node's own host veth, so it is that node's alone and binds the address to its interface:
+# out (its veth . its address . a peer's), in (its veth . a peer's address . its own)
+PEERS_OUT, PEERS_IN = "peers_out", "peers_in"
+PEER_SET = "type ifname . ipv4_addr . ipv4_addr;"
 CHAINS = ("input", "forward", "postrouting")
+ROUTE_TABLE_BASE = 1_000_000  # + the veth's index: a node's own routes to its remote peers
+RULE_PREF = 5000
+ALIAS = "torchjobs"  # a reserved veth's alias: "torchjobs PID", the worker that made it
 HOST_IF = "tjh"  # + the slot's index in hex: the host end of a node's veth
 PEER_IF = "tjj"  # its other end, renamed eth0 inside the sandbox
 WALLED = (
@@ -55,6 +62,8 @@ WALLED = (
     "255.255.255.255/32",
 )
 FLOWS_MAX = 4096  # tracked connections one job node may hold open: the host's conntrack table is shared
+FLOWS = ("flows", "flows_in")  # counted by the job's address as source; as destination
+FLOW_SET = "type ipv4_addr; size 65535; flags dynamic;"
 ATTACH_WAIT_S = 10.0
 
 
@@ -115,8 +124,9 @@ def rules(
     subnet: str, allow: list[tuple[str, int | None]] | None = None, extra_walled: list[str] | None = None
 ) -> str:
     """The whole `inet torchjobs` table, for `nft -f` (one transaction: never half written)."""
-    walled = ", ".join(_merged([*WALLED, *(extra_walled or [])]))
+    walled = ", ".join(_merged([*WALLED, subnet, *(extra_walled or [])]))
     jobs = f'iifname "{HOST_IF}*"'
+    over = f"ct count over {FLOWS_MAX}"
     opened = [
         f"    {jobs} ip daddr {cidr} accept"
         if port is None
@@ -125,26 +135,31 @@ def rules(
     ]
     return "\n".join(
         [
-            # the chains and `flows` rewritten whole in one transaction; `peers` kept: a sibling
-            # worker's start must not cut the meshes of the multi-node jobs running beside it
+            # the chains and the `flows` sets rewritten whole in one transaction; the mesh sets
+            # kept: a sibling worker's start must not cut the multi-node jobs running beside it
             f"add table inet {TABLE}",
-            f"add set inet {TABLE} {PEERS} {{ type ipv4_addr . ipv4_addr; }}",
+            *(f"add set inet {TABLE} {name} {{ {PEER_SET} }}" for name in (PEERS_OUT, PEERS_IN)),
             *(f"add chain inet {TABLE} {c}\ndelete chain inet {TABLE} {c}" for c in CHAINS),
-            f"add set inet {TABLE} flows {{ type ipv4_addr; size 65535; flags dynamic; }}",
-            f"delete set inet {TABLE} flows",
+            *(
+                f"add set inet {TABLE} {name} {{ {FLOW_SET} }}\ndelete set inet {TABLE} {name}"
+                for name in FLOWS
+            ),
             f"table inet {TABLE} {{",
-            "  set flows {",  # each job address's open connections, counted by conntrack
-            "    type ipv4_addr; size 65535; flags dynamic;",
-            "  }",
+            *(f"  set {name} {{ {FLOW_SET} }}" for name in FLOWS),  # open connections per job address
             "  chain input {",
             "    type filter hook input priority -10; policy accept;",
             f"    {jobs} drop",
+            # nor from elsewhere (another host's job, routed here) to the host's own veth ends
+            f'    iifname != "lo" ip daddr {subnet} drop',
             "  }",
             "  chain forward {",
             "    type filter hook forward priority -10; policy accept;",
-            # first: a job's connections to its own other nodes fill the shared table too
-            f"    {jobs} ct state new add @flows {{ ip saddr ct count over {FLOWS_MAX} }} drop",
-            f"    ip saddr . ip daddr @{PEERS} accept",  # a multi-node job's nodes, to each other
+            # first: a job's connections to its own other nodes fill the shared table too, on
+            # the sending host and on the receiving one
+            f"    {jobs} ct state new add @flows {{ ip saddr {over} }} drop",
+            f'    oifname "{HOST_IF}*" ct state new add @flows_in {{ ip daddr {over} }} drop',
+            f"    iifname . ip saddr . ip daddr @{PEERS_OUT} accept",  # a node to its job's others
+            f"    oifname . ip saddr . ip daddr @{PEERS_IN} accept",  # and theirs to it
             f'    {jobs} oifname "{HOST_IF}*" drop',
             *opened,
             f"    {jobs} ip daddr {{ {walled} }} drop",
@@ -155,7 +170,7 @@ def rules(
             "  }",
             "  chain postrouting {",
             "    type nat hook postrouting priority 100; policy accept;",
-            f"    ip saddr . ip daddr @{PEERS} accept",  # routed as they are, not masqueraded
+            f"    iifname . ip saddr . ip daddr @{PEERS_OUT} accept",  # routed as they are, not masqueraded
             f'    ip saddr {subnet} oifname != "{HOST_IF}*" masquerade',
             "  }",
             "}",
@@ -178,6 +193,8 @@ def prepare_host(subnet: str, allow: str = "") -> None:
     if network.version != 4 or network.prefixlen > 30:
         raise NetworkUnavailable(f"TORCHJOBS_JOB_SUBNET {subnet!r}: an IPv4 network of at least a /30")
     _run(["nft", "-f", "-"], rules(str(network), allowances(allow), host_subnets()))
+    for name in sweep_left():
+        log.info("removed job veth %s, made by a worker no longer running", name)
     try:
         with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
             fh.write("1\n")
@@ -228,9 +245,10 @@ def reserve(subnet: str) -> Attached:
     base = network.network_address + 4 * index
     veth = Attached(host_if=name, host_address=str(base + 1), job_address=str(base + 2))
     try:
+        _run(["ip", "link", "set", name, "alias", f"{ALIAS} {os.getpid()}"])
         _run(["ip", "addr", "add", f"{veth.host_address}/30", "dev", name])
         _strict_source(name)
-        _forget_peers(veth.job_address)
+        forget(veth)
     except NetworkUnavailable:
         release(veth)
         raise
@@ -261,10 +279,15 @@ def release(veth: Attached) -> None:
     subprocess.run(["ip", "link", "del", veth.host_if], capture_output=True)
 
 
+def route_table(veth: Attached) -> int:
+    return ROUTE_TABLE_BASE + int(veth.host_if.removeprefix(HOST_IF), 16)
+
+
 def _strict_source(host_if: str) -> None:
     """Strict reverse-path filtering on the host end: a packet from the job must carry the
-    job's own address (IP_FREEBIND lets an unprivileged socket send from any), so the `peers`
-    pairs cannot be borrowed by another job."""
+    job's own address. Defence in depth: the job has no capability to forge one, and the mesh
+    elements name the veth a packet must come from anyway (the kernel takes the looser of this
+    and `conf.all`)."""
     try:
         with open(f"/proc/sys/net/ipv4/conf/{host_if}/rp_filter", "w") as fh:
             fh.write("1\n")
@@ -272,71 +295,59 @@ def _strict_source(host_if: str) -> None:
         raise NetworkUnavailable(f"could not turn reverse-path filtering on for {host_if}: {exc}") from exc
 
 
-@dataclass(frozen=True)
-class Peer:
-    """Another node of the same job: its veth's job address, and its worker host's address."""
-
-    job_address: str
-    host_address: str
-    local: bool  # on this host: its /30 is connected here, no route needed
-
-
-class Mesh:
-    """The nodes of one multi-node job, let through to each other (the `peers` pairs, both
-    ways) and routed across hosts (a /32 to each remote node through its host). What a
-    node opens it closes at its end; what a killed worker left, the next node given the same
-    address forgets first (reserve())."""
-
-    def __init__(self, mine: Attached, peers: list[Peer]) -> None:
-        self.mine, self.peers = mine, peers
-
-    def open(self) -> None:
-        for peer in self.peers:
-            if not peer.local:
-                _run(["ip", "route", "replace", f"{peer.job_address}/32", "via", peer.host_address])
-        if self.peers:
-            _run(["nft", "-f", "-"], f"add element inet {TABLE} {PEERS} {{ {self._pairs()} }}\n")
-
-    def close(self) -> None:
-        if self.peers:
-            subprocess.run(
-                ["nft", "-f", "-"],
-                input=f"delete element inet {TABLE} {PEERS} {{ {self._pairs()} }}\n",
-                capture_output=True,
-                text=True,
-            )
-        for peer in self.peers:
-            if not peer.local:  # another node of this host may route there still: only a /32 of ours
-                subprocess.run(
-                    ["ip", "route", "del", f"{peer.job_address}/32", "via", peer.host_address],
-                    capture_output=True,
-                )
-
-    def _pairs(self) -> str:
-        me = self.mine.job_address
-        both = ((me, p.job_address) for p in self.peers), ((p.job_address, me) for p in self.peers)
-        return ", ".join(f"{a} . {b}" for pairs in both for a, b in pairs)
+def sweep_left() -> list[str]:
+    """At worker start: the veths a killed worker made and never moved into a sandbox (its
+    nodes were waiting for their peers), with what they held; a sibling worker's (its PID
+    alive) stay. The names taken away."""
+    listed = subprocess.run(["ip", "-j", "link", "show"], capture_output=True, text=True, timeout=30)
+    links = {link.get("ifname", ""): link for link in json.loads(listed.stdout or "[]")}
+    swept = []
+    for name, link in links.items():
+        alias = str(link.get("ifalias", ""))
+        owner = alias.removeprefix(f"{ALIAS} ")
+        ours = name.startswith(HOST_IF) and alias.startswith(f"{ALIAS} ") and owner.isdigit()
+        unmoved = PEER_IF + name.removeprefix(HOST_IF) in links
+        if ours and unmoved and not os.path.exists(f"/proc/{owner}"):
+            veth = Attached(host_if=name, host_address="", job_address="")
+            release(veth)
+            forget(veth)
+            swept.append(name)
+    return swept
 
 
-def _forget_peers(job_address: str) -> None:
-    """Pairs naming an address now given to a new node: left by a node whose worker was killed."""
-    listed = subprocess.run(
-        ["nft", "-j", "list", "set", "inet", TABLE, PEERS], capture_output=True, text=True, timeout=30
+def forget(veth: Attached) -> None:
+    """What a node whose worker was killed left under this veth's name or address (mesh
+    elements, its own routes): a new node there starts with nothing of it."""
+    stale = {}
+    for name in (PEERS_OUT, PEERS_IN):
+        listed = subprocess.run(
+            ["nft", "-j", "list", "set", "inet", TABLE, name], capture_output=True, text=True, timeout=30
+        )
+        if listed.returncode != 0:
+            raise NetworkUnavailable(f"nft list set {name}: {listed.stderr.strip()}")
+        mine = {veth.host_if, veth.job_address} - {""}
+        gone = [e for e in _elements(listed.stdout) if mine & set(e)]
+        stale[name] = [f'"{a}" . {b} . {c}' for a, b, c in gone]
+    script = "".join(
+        f"delete element inet {TABLE} {name} {{ {', '.join(items)} }}\n"
+        for name, items in stale.items()
+        if items
     )
-    if listed.returncode != 0:
-        raise NetworkUnavailable(f"nft list set {PEERS}: {listed.stderr.strip()}")
-    stale = [f"{a} . {b}" for a, b in _elements(listed.stdout) if job_address in (a, b)]
-    if stale:
-        _run(["nft", "-f", "-"], f"delete element inet {TABLE} {PEERS} {{ {', '.join(stale)} }}\n")
+    if script:
+        _run(["nft", "-f", "-"], script)
+    table = str(route_table(veth))
+    subprocess.run(["ip", "route", "flush", "table", table], capture_output=True)
+    while subprocess.run(["ip", "rule", "del", "table", table], capture_output=True).returncode == 0:
+        pass
 
 
-def _elements(listing: str) -> list[tuple[str, str]]:
+def _elements(listing: str) -> list[tuple[str, str, str]]:
     out = []
     for item in json.loads(listing).get("nftables", []):
         for elem in item.get("set", {}).get("elem", []):
-            pair = elem.get("concat") if isinstance(elem, dict) else None
-            if isinstance(pair, list) and len(pair) == 2:
-                out.append((str(pair[0]), str(pair[1])))
+            parts = elem.get("concat") if isinstance(elem, dict) else None
+            if isinstance(parts, list) and len(parts) == 3:
+                out.append((str(parts[0]), str(parts[1]), str(parts[2])))
     return out
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.launcher import job_network, lifeline, procs, sandbox
+from workers.launcher import job_mesh, job_network, lifeline, procs, sandbox
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plumbs network namespaces as root")
@@ -229,11 +229,13 @@ def test_the_rules_wall_private_ranges_and_other_jobs_and_masquerade_the_rest() 
     assert 'iifname "tjh*" oifname "tjh*" drop' in text
     assert "169.254.0.0/16" in text and "10.0.0.0/8" in text
     assert f'ip saddr {SUBNET} oifname != "tjh*" masquerade' in text
-    # one transaction: the chains and `flows` made anew, the mesh pairs (`peers`) kept
-    assert text.startswith("add table inet torchjobs\nadd set inet torchjobs peers ")
+    # one transaction: the chains and `flows` made anew, the mesh elements kept
+    assert text.startswith("add table inet torchjobs\nadd set inet torchjobs peers_out ")
     for chain in ("input", "forward", "postrouting"):
         assert f"add chain inet torchjobs {chain}\ndelete chain inet torchjobs {chain}\n" in text
     assert "delete set inet torchjobs flows\n" in text and "delete set inet torchjobs peers" not in text
+    # nothing from elsewhere (another host's job routed here) reaches the host's own veth ends
+    assert f'iifname != "lo" ip daddr {SUBNET} drop' in text
 
 
 def test_the_admin_opens_ranges_and_ports_in_the_walled_ones() -> None:
@@ -273,7 +275,9 @@ def test_the_host_lan_is_walled_and_a_job_holds_a_bounded_number_of_flows() -> N
     assert "192.0.2.0/24" in text and "10.1.0.0/16" not in text  # merged into 10.0.0.0/8
     assert f"ip saddr ct count over {job_network.FLOWS_MAX} }} drop" in text
     # a job's connections to its own other nodes count too: before the mesh is let through
-    assert text.index("ct count over") < text.index("ip saddr . ip daddr @peers accept")
+    assert text.index("ct count over") < text.index("iifname . ip saddr . ip daddr @peers_out accept")
+    # and on the receiving host, by destination
+    assert text.index("add @flows_in { ip daddr ct count over") < text.index("@peers_in accept")
     subnets = job_network.host_subnets()
     assert subnets and not any(s.startswith("127.") for s in subnets), subnets
 
@@ -306,17 +310,26 @@ def _reach(tmp_path: Path, name: str, address: str, seconds: float) -> str:
     return out.decode().strip() or err.decode()[-500:]
 
 
-def _peers_listed() -> str:
-    done = subprocess.run(
-        ["nft", "list", "set", "inet", "torchjobs", "peers"], capture_output=True, text=True
+def _elements_listed() -> str:
+    return "".join(
+        subprocess.run(
+            ["nft", "list", "set", "inet", "torchjobs", name], capture_output=True, text=True
+        ).stdout
+        for name in ("peers_out", "peers_in")
     )
-    return done.stdout
+
+
+def _mesh_of(mine: job_network.Attached, *others: job_network.Attached) -> job_mesh.Mesh:
+    """A node's mesh with other nodes of its job on this host."""
+    peers = [job_mesh.Peer(job_address=o.job_address, host_address="192.0.2.1", local=True) for o in others]
+    return job_mesh.Mesh(mine, peers)
 
 
 def test_a_mesh_lets_a_job_s_nodes_reach_each_other_and_nobody_else(tmp_path: Path) -> None:
     """Two nodes of one job on this host (their veths made before their sandboxes, as
     node_mesh.join makes them), meshed: one reaches the other; a third node, of another job,
-    reaches neither; once the mesh is closed, nor does the first."""
+    reaches neither; once one node's mesh is closed, the other's elements stay; once both
+    are, nothing of either is left."""
     job_network.prepare_host(SUBNET)
     listener_veth = job_network.reserve(SUBNET)
     listener = _sandbox(tmp_path, "node0", [sys.executable, "-c", LISTEN])
@@ -324,9 +337,9 @@ def test_a_mesh_lets_a_job_s_nodes_reach_each_other_and_nobody_else(tmp_path: Pa
         job_network.move_in(listener.pid, listener_veth)
         address = listener_veth.job_address
         peer_veth = job_network.reserve(SUBNET)
-        peer = job_network.Peer(job_address=address, host_address="192.0.2.1", local=True)
-        mesh = job_network.Mesh(peer_veth, [peer])
-        mesh.open()
+        meshes = [_mesh_of(peer_veth, listener_veth), _mesh_of(listener_veth, peer_veth)]
+        for mesh in meshes:
+            mesh.open()
         try:
             sandbox_proc = _sandbox(tmp_path, "node1", [sys.executable, "-c", REACH, address, "15"])
             try:
@@ -336,45 +349,81 @@ def test_a_mesh_lets_a_job_s_nodes_reach_each_other_and_nobody_else(tmp_path: Pa
                 _end(sandbox_proc)
             assert out.decode().strip() == "job", err.decode()[-2000:]
             assert _reach(tmp_path, "other", address, 4) in ("TimeoutError", "timeout")
+            meshes[0].close()
+            listed = _elements_listed()
+            assert f'"{listener_veth.host_if}" . {address} . {peer_veth.job_address}' in listed, listed
+            assert f'"{peer_veth.host_if}"' not in listed, listed
         finally:
-            mesh.close()
-        listed = _peers_listed()
-        assert address not in listed, listed  # closed: nothing of it left
+            for mesh in meshes:
+                mesh.close()
+        listed = _elements_listed()
+        assert address not in listed and peer_veth.job_address not in listed, listed
     finally:
         _end(listener)
 
 
-def test_a_new_node_forgets_the_pairs_a_killed_worker_left_for_its_address() -> None:
+def test_a_new_node_forgets_what_a_killed_worker_left_under_its_veth_or_address() -> None:
     job_network.prepare_host(SUBNET)
-    stale = "10.213.250.2 . 10.213.250.6, 10.213.250.6 . 10.213.250.2, 10.213.250.10 . 10.213.250.14"
-    subprocess.run(["nft", "add", "element", "inet", "torchjobs", "peers", f"{{ {stale} }}"], check=True)
+    stale = (
+        '"tjh3e80" . 10.213.250.2 . 10.214.0.6, "tjh3e81" . 10.213.250.6 . 10.213.250.2, '
+        '"tjh3e82" . 10.213.250.10 . 10.214.0.10'
+    )
+    for name in ("peers_out", "peers_in"):
+        subprocess.run(["nft", "add", "element", "inet", "torchjobs", name, f"{{ {stale} }}"], check=True)
+    table = str(job_network.ROUTE_TABLE_BASE + 0x3E80)
+    subprocess.run(["ip", "route", "add", "blackhole", "10.214.0.6/32", "table", table], check=True)
     job_network.prepare_host(SUBNET)  # a sibling worker's start keeps them (a running mesh's)
-    job_network._forget_peers("10.213.250.2")
-    listed = _peers_listed()
-    assert "10.213.250.2 " not in listed and "10.213.250.10 . 10.213.250.14" in listed
-    job_network._forget_peers("10.213.250.10")
+    assert "10.213.250.2 " in _elements_listed()
+    job_network.forget(job_network.Attached(host_if="tjh3e80", host_address="", job_address="10.213.250.2"))
+    listed = _elements_listed()
+    assert "10.213.250.2 " not in listed and "tjh3e80" not in listed, listed
+    assert '"tjh3e82" . 10.213.250.10 . 10.214.0.10' in listed, listed
+    shown = subprocess.run(["ip", "route", "show", "table", table], capture_output=True, text=True)
+    assert shown.stdout.strip() == ""
+    job_network.forget(job_network.Attached(host_if="tjh3e82", host_address="", job_address=""))
+    assert "tjh3e82" not in _elements_listed()
 
 
-def test_a_mesh_routes_remote_nodes_through_their_hosts_and_takes_its_routes_back(tmp_path: Path) -> None:
+def test_a_mesh_routes_remote_nodes_through_their_hosts_in_a_table_of_its_own() -> None:
     job_network.prepare_host(SUBNET)
     mine = job_network.reserve(SUBNET)
+    gateway_link = f"tjg{os.getpid() % 100000}"
     try:
-        remote = job_network.Peer(job_address="10.214.0.6", host_address=WORLD_GATEWAY, local=False)
+        remote = job_mesh.Peer(job_address="10.214.0.6", host_address=WORLD_GATEWAY, local=False)
         # the remote host's address must be reachable for a route through it: on a link of ours
-        gateway_link = f"tjg{os.getpid() % 100000}"
         _ip("link", "add", gateway_link, "type", "veth", "peer", "name", f"{gateway_link}p")
-        try:
-            _ip("addr", "add", f"{WORLD_GATEWAY}/32", "dev", gateway_link)
-            _ip("link", "set", gateway_link, "up")
-            _ip("route", "add", f"{WORLD_GATEWAY}/32", "dev", gateway_link)
-            mesh = job_network.Mesh(mine, [remote])
-            mesh.open()
-            shown = subprocess.run(["ip", "route", "show", "10.214.0.6/32"], capture_output=True, text=True)
-            assert f"via {WORLD_GATEWAY}" in shown.stdout, shown.stdout
-            mesh.close()
-            shown = subprocess.run(["ip", "route", "show", "10.214.0.6/32"], capture_output=True, text=True)
-            assert shown.stdout.strip() == ""
-        finally:
-            subprocess.run(["ip", "link", "del", gateway_link], capture_output=True)
+        _ip("addr", "add", f"{WORLD_GATEWAY}/32", "dev", gateway_link)
+        _ip("link", "set", gateway_link, "up")
+        _ip("route", "add", f"{WORLD_GATEWAY}/32", "dev", gateway_link)
+        mesh = job_mesh.Mesh(mine, [remote])
+        mesh.open()
+        table = str(job_network.route_table(mine))
+        shown = subprocess.run(["ip", "route", "show", "table", table], capture_output=True, text=True)
+        assert f"10.214.0.6 via {WORLD_GATEWAY}" in shown.stdout, shown.stdout
+        rules = subprocess.run(["ip", "rule", "show"], capture_output=True, text=True).stdout
+        assert f"from {mine.job_address} lookup {table}" in rules, rules
+        main = subprocess.run(["ip", "route", "show", "10.214.0.6/32"], capture_output=True, text=True)
+        assert main.stdout.strip() == ""  # nothing in the host's own table: no other node routed there
+        mesh.close()
+        shown = subprocess.run(["ip", "route", "show", "table", table], capture_output=True, text=True)
+        rules = subprocess.run(["ip", "rule", "show"], capture_output=True, text=True).stdout
+        assert shown.stdout.strip() == "" and f"lookup {table}" not in rules
     finally:
+        subprocess.run(["ip", "link", "del", gateway_link], capture_output=True)
         job_network.release(mine)
+
+
+def test_a_starting_worker_sweeps_the_veths_a_killed_worker_never_moved_in() -> None:
+    job_network.prepare_host(SUBNET)
+    dead, alive = job_network.reserve(SUBNET), job_network.reserve(SUBNET)
+    try:
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        _ip("link", "set", dead.host_if, "alias", f"torchjobs {gone.pid}")
+        swept = job_network.sweep_left()
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        assert dead.host_if in swept and f"{dead.host_if}@" not in links
+        assert alive.host_if not in swept and f"{alive.host_if}@" in links  # this process made it
+    finally:
+        job_network.release(dead)
+        job_network.release(alive)
