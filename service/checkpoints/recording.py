@@ -86,15 +86,19 @@ def store_rank_checkpoint(
 
 def retain(db: Database, storage: Storage, job_id: int) -> None:
     """After a new checkpoint: the job's `keep_checkpoints` (contract §11), else the worker's
-    `TORCHJOBS_CHECKPOINT_KEEP_LAST`; neither set keeps all."""
-    with db.read() as session:
-        job = jobs_repo.job_by_id(session, job_id)
-        keep = job.keep_checkpoints if job is not None else None
-    keep_last = keep or db.settings.checkpoint_keep_last
-    if not keep_last:
-        return
+    `TORCHJOBS_CHECKPOINT_KEEP_LAST`; neither set keeps all.
+
+    Housekeeping, run after the checkpoint's own transaction has committed: it never raises.
+    A caller that saw it raise would take its recorded (or listed) checkpoint for a failed one
+    and try it again: a file recorded twice, or a folder's part, already listed and gone,
+    awaited until the node's end. What it leaves, the next checkpoint's retention takes."""
     try:
-        enforce_retention(db, storage, job_id, keep_last)
+        with db.read() as session:
+            job = jobs_repo.job_by_id(session, job_id)
+            keep = job.keep_checkpoints if job is not None else None
+        keep_last = keep or db.settings.checkpoint_keep_last
+        if keep_last:
+            enforce_retention(db, storage, job_id, keep_last)
     except Exception:  # retention is housekeeping: it must never fail the recording
         log.exception("job %s: checkpoint retention failed", job_id)
 

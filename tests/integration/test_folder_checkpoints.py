@@ -45,6 +45,7 @@ def run(stack: Stack, case: str, **spec: Any) -> dict[str, Any]:
     )
     done = stack.wait_job(job["id"], timeout=300)
     if done["state"] != "succeeded":
+        done = {"error": done.get("error"), **done}  # first: pytest cuts a long message short
         with stack.client() as c:
             done["log"] = c.get(f"/v1/jobs/{job['id']}/logs").text[-3000:]
         done["events"] = stack.events(job["id"])

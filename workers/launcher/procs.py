@@ -66,6 +66,31 @@ def sandbox_namespace(outer_pid: int) -> str | None:
     return None
 
 
+def pin_sandbox_namespace(outer_pid: int) -> tuple[str, int] | None:
+    """`sandbox_namespace`, with a descriptor of that namespace held open: (its name, the
+    descriptor, which the caller closes once it no longer names the node's processes by it).
+
+    A namespace's name is its inode number, and the kernel gives a freed number to the next
+    namespace made (the lowest free one): once a node's sandbox has emptied, another sandbox
+    on the host (another worker's node, a warm spare) may be made under the very same name,
+    and a stop that signals every process "of the namespace" would SIGKILL that one. While a
+    descriptor of it is open the namespace is not freed (it stays, empty), so its name cannot
+    be given to another one."""
+    mine = pid_namespace("self")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or parent_of(entry) != outer_pid:
+            continue
+        try:
+            fd = os.open(f"/proc/{entry}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # it ended meanwhile
+            continue
+        ns = f"pid:[{os.fstat(fd).st_ino}]"
+        if ns != mine and parent_of(entry) == outer_pid:  # still bwrap's child: that namespace
+            return ns, fd
+        os.close(fd)
+    return None
+
+
 def pids_in_namespace(ns: str) -> list[int]:
     """Every process of one sandbox, its PID 1 (sandbox.ENTRY, torchrun's parent) first:
     killing that one with SIGKILL makes the kernel kill all the others."""

@@ -59,7 +59,7 @@ from workers.launcher.procs import (
     kill_under,
     pids_in_namespace,
     pids_under,
-    sandbox_namespace,
+    pin_sandbox_namespace,
     signal_all,
 )
 from workers.launcher.run_dir import copy_code, lay_out_run_dir, remove_run_dir
@@ -183,6 +183,7 @@ class NodeSupervisor:
         self.backlog = False  # a file had more than one read takes: look again without waiting
         self.stop_reason: str | None = None
         self.namespace: str | None = None  # the sandbox's PID namespace, once seen
+        self.namespace_fd: int | None = None  # held open: that name is no other sandbox's meanwhile
 
     def prepare(self, owner: tuple[int, int] | None = None) -> None:
         """The run folder. In a sandbox its writable parts belong to the sandbox user; the
@@ -252,6 +253,13 @@ class NodeSupervisor:
         for found in self.unrecorded:
             found.file.close()
         self.folder.close()
+        self._release_namespace()
+
+    def _release_namespace(self) -> None:
+        """The node's processes are no longer named by its namespace (all were killed): let it go."""
+        fd, self.namespace, self.namespace_fd = self.namespace_fd, None, None
+        if fd is not None:
+            os.close(fd)
 
     def _pids(self) -> list[int]:
         """The node's processes: its sandbox's, or (unsandboxed) those whose environment names
@@ -271,8 +279,13 @@ class NodeSupervisor:
             self.group.kill_all()
 
     def _find_namespace(self, proc: subprocess.Popen[bytes]) -> None:
+        """The sandbox's PID namespace, pinned (`pin_sandbox_namespace`) until the node ends:
+        a stop signals every process of it, and unpinned its name could by then be another
+        sandbox's (the kernel reuses a freed namespace's number at once), whose job it killed."""
         if self.plan.sandboxed and self.namespace is None:
-            self.namespace = sandbox_namespace(proc.pid)
+            pinned = pin_sandbox_namespace(proc.pid)
+            if pinned is not None:
+                self.namespace, self.namespace_fd = pinned
 
     def _watch(self, proc: subprocess.Popen[bytes]) -> int:
         """Ingest every BATCH_EVERY_S (new events: EVENT_GAP_S after the last batch), look at
@@ -662,6 +675,7 @@ class NodeSupervisor:
         return NodeOutcome(state=NodeState.FAILED, exit_code=code, error=error[-16000:], retryable=retry)
 
     def cleanup(self) -> None:
+        self._release_namespace()  # (run() did, unless it raised)
         remove_run_dir(self.plan.paths)
         if self.group is not None:
             self.group.remove()

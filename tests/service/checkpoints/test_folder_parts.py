@@ -224,3 +224,26 @@ def test_delete_a_folder_checkpoint_takes_its_objects(db: Database, storage: Sto
         delete_checkpoint(db, storage, user, second)
     delete_checkpoint(db, storage, user, first)
     assert [k.split("/")[3] for k in objects(storage)] == ["step-2"]
+
+
+def test_a_retention_that_fails_does_not_fail_the_listing(
+    db: Database, storage: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention (keep_checkpoints) runs after the listing committed. If it fails (the database
+    away a moment when it reads the job), the checkpoint stays listed and the try says so:
+    raised, node 0 would await a part already listed and gone until its end."""
+    from service.checkpoints import recording
+
+    job_id, _ = job_of(db, nodes=1)
+    key = NodeKey(job_id=job_id, attempt=1, node_rank=0)
+
+    def away(*_: object) -> None:
+        raise OSError("database away")
+
+    monkeypatch.setattr(recording.jobs_repo, "job_by_id", away)
+    lead = store(db, storage, key, {"trainer_state.json": b"{}"})
+    ckpt_id = folders.try_list(db, storage, key, lead, 1, None)
+    assert ckpt_id is not None
+    assert [p for p, _, _ in listed_files(db, ckpt_id)] == ["trainer_state.json"]
+    with db.read() as s:
+        assert s.execute(select(CheckpointPart)).first() is None  # the part became the checkpoint
