@@ -49,7 +49,9 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
         launch = _launch(ctx, key, claimed, run_dir, resume[0] if resume else None)
         if _meets_over_veth(ctx, launch):
             mesh = node_mesh.join(ctx, key, launch.rendezvous_timeout_s)
-            launch = dataclasses.replace(launch, master_addr=mesh.master_address, veth=mesh.veth)
+            launch = dataclasses.replace(
+                launch, master_addr=mesh.master_address, veth=mesh.veth, mesh_hosts=mesh.hosts
+            )
         supervisor = NodeSupervisor(
             key=key,
             plan=build_launch(launch),

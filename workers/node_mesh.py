@@ -18,6 +18,7 @@ out is refused, and the node fails saying so.
 from __future__ import annotations
 
 import ipaddress
+import socket
 import time
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class JoinedMesh:
     veth: job_network.Attached
     mesh: job_mesh.Mesh | None
     master_address: str
+    hosts: tuple[tuple[str, str], ...] = ()  # each node's address and a name, for /etc/hosts
 
     def close(self) -> None:
         if self.mesh is not None:
@@ -65,6 +67,7 @@ def join(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> JoinedMesh:
         publish_address(ctx.db, key, veth.job_address)
         nodes = _await_all(ctx, key, timeout_s)
         joined.master_address = nodes[0].job_address
+        joined.hosts = _hosts(key, nodes)
         joined.mesh = job_mesh.Mesh(veth, _peers(key, nodes, subnet))
         joined.mesh.open()
     except job_network.NetworkUnavailable as exc:
@@ -74,6 +77,14 @@ def join(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> JoinedMesh:
         joined.close()
         raise
     return joined
+
+
+def _hosts(key: NodeKey, nodes: list[MeshNode]) -> tuple[tuple[str, str], ...]:
+    """Each node's address and a name; this node's own also under the host's name, which the
+    sandbox keeps (torchrun and c10d resolve it, and the host's resolver is walled off)."""
+    names = {n.node_rank: f"torchjobs-node-{n.node_rank}" for n in nodes}
+    names[key.node_rank] += f" {socket.gethostname()}"
+    return tuple((n.job_address, names[n.node_rank]) for n in nodes)
 
 
 def _await_all(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> list[MeshNode]:

@@ -70,8 +70,10 @@ class NodeLaunch:
     worker_slots: int = 0
     private_network: bool = False  # (sandboxed, single-node) a network namespace of its own
     routed_subnet: str | None = None  # ...with a routed veth from this subnet (job_network.py)
-    # a routed multi-node job's node: its veth, made before the launch (workers/node_mesh.py)
+    # a routed multi-node job's node: its veth, made before the launch (workers/node_mesh.py),
+    # and its nodes' addresses with a name each, for the sandbox's /etc/hosts
     veth: Attached | None = None
+    mesh_hosts: tuple[tuple[str, str], ...] = ()
     # contract §12: what torchrun waits between the SIGTERM it forwards and its SIGKILL (its
     # own default, 30 s, would cut a multi-GB checkpoint written in the job's grace)
     stop_grace_s: int = 120
@@ -151,6 +153,7 @@ class LaunchPlan:
     private_network: bool = False  # its sandbox has a network namespace of its own
     routed_subnet: str | None = None  # and the worker plumbs a routed veth into it (job_network.py)
     veth: Attached | None = None  # that veth, made beforehand (a routed multi-node job's node)
+    hosts: tuple[tuple[str, str], ...] = ()  # its nodes' addresses, for its /etc/hosts (write_hosts)
 
     @property
     def sandboxed(self) -> bool:
@@ -244,6 +247,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         devices=launch.devices,
         private_network=in_own_network(launch),
         identity=identity_dir_of(launch.run_dir) if launch.isolation.uid is not None else None,
+        hosts=bool(launch.mesh_hosts) and launch.isolation.uid is not None,
     )
     iso = launch.isolation
     return LaunchPlan(
@@ -260,6 +264,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         private_network=mounts.private_network,
         routed_subnet=launch.routed_subnet if mounts.private_network else None,
         veth=launch.veth if mounts.private_network else None,
+        hosts=launch.mesh_hosts if mounts.hosts else (),
     )
 
 

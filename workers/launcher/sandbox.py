@@ -163,6 +163,7 @@ class Mounts:
     devices: tuple[str, ...] = ()  # GPU device files
     private_network: bool = False  # a network namespace of its own: loopback only
     identity: Path | None = None  # a folder with the `passwd` and `group` that name the node's uid
+    hosts: bool = False  # and a `hosts` there too (write_hosts), over the host's /etc/hosts
 
 
 def inside_resume_path(resume: str) -> str:
@@ -180,7 +181,7 @@ def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> li
         args += ["--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns"]
     args += _system_binds()
     if mounts.identity is not None:  # over the host's: the node's uid has a name inside
-        for name in ("passwd", "group"):
+        for name in ("passwd", "group", *(["hosts"] if mounts.hosts else [])):
             args += ["--ro-bind", str(mounts.identity / name), f"/etc/{name}"]
     args += _kernel_views(mounts)
     for device in mounts.devices:
@@ -226,6 +227,18 @@ def _system_binds() -> list[str]:
     for name in ETC_FILES:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
     return [*args, "--ro-bind-try", "/sys", "/sys"]
+
+
+def write_hosts(folder: Path, names: Sequence[tuple[str, str]]) -> None:
+    """The sandbox's /etc/hosts for a routed multi-node job: loopback and its nodes' own
+    addresses. gloo's and c10d's reverse look-ups of a peer answer from it at once; asked of
+    the host's resolver (often on a private address, walled from jobs) each waited out its
+    timeout (+5.6 s to the first step, bench/mesh.py)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
+    lines += [f"{address} {name}" for address, name in names]
+    (folder / "hosts").write_text("\n".join(lines) + "\n")
+    (folder / "hosts").chmod(0o644)
 
 
 def write_identity(folder: Path, uid: int, gid: int) -> None:

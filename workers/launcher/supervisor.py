@@ -63,7 +63,7 @@ from workers.launcher.procs import (
     signal_all,
 )
 from workers.launcher.run_dir import copy_code, lay_out_run_dir, remove_run_dir
-from workers.launcher.sandbox import write_identity
+from workers.launcher.sandbox import write_hosts, write_identity
 from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.stacks import rank_processes
 from workers.launcher.staging import place_copy
@@ -193,6 +193,8 @@ class NodeSupervisor:
         self.folder.owner = owner[0] if owner else None
         if self.plan.owner is not None:  # a cold sandbox binds it (a spare has its own)
             write_identity(identity_dir_of(paths.run_dir), *self.plan.owner)
+        if self.plan.hosts:
+            write_hosts(identity_dir_of(paths.run_dir), self.plan.hosts)
         folders = lay_out_run_dir(self.plan)
         if self.plan.sandboxed:
             fd = os.open(paths.env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -152,10 +152,16 @@ def test_a_routed_multi_node_job_s_node_meets_its_peers_over_its_own_veth() -> N
     passed = passthrough({**WORKER_ENV, "GLOO_SOCKET_IFNAME": "tj0"}, "OMP_NUM_THREADS,NCCL_*,GLOO_*")
     iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap="/bw", uid=4242, gid=4243)
     veth = Attached(host_if="tjh5", host_address="10.213.0.21", job_address="10.213.0.22")
+    hosts = (("10.213.0.22", "torchjobs-node-0"), ("10.214.0.6", "torchjobs-node-1"))
     node = launch(base_env=passed, nnodes=2, private_network=True, isolation=iso, veth=veth,
-                  master_addr="10.213.0.22", routed_subnet="10.213.0.0/16")  # fmt: skip
+                  master_addr="10.213.0.22", routed_subnet="10.213.0.0/16", mesh_hosts=hosts)  # fmt: skip
     plan = build_launch(node)
     assert "--unshare-net" in plan.argv and plan.veth == veth and plan.private_network
+    # its own /etc/hosts names its nodes: a peer's reverse look-up never asks a walled resolver
+    assert plan.hosts == hosts
+    ours = plan.argv.index("/runs/j7.identity/hosts")
+    assert plan.argv[ours - 1 : ours + 2] == ["--ro-bind", "/runs/j7.identity/hosts", "/etc/hosts"]
+    assert plan.argv.index("/etc/hosts") < ours  # after the host's own: bound over it
     assert [plan.env[k] for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")] == [
         "eth0"
     ] * 3
