@@ -52,7 +52,10 @@ def two_hosts(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[tuple[Sta
         assert netns_available(), "network namespaces are needed for the two-host tests"
     else:
         pytest.fail("network namespaces are not available here")
-    net = Network(tag=str(os.getpid() % 10000))
+    # a /24 of each xdist process's own: two processes' hosts on one subnet (two bridges in the
+    # root namespace) would take each other's routes and forwarders
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    net = Network(tag=str(os.getpid() % 10000), subnet=f"10.231.{10 + worker}")
     net.up()
     stack = harness.production_stack(
         tmp_path, pg_url, redis_url, workers={}, TORCHJOBS_RENDEZVOUS_TIMEOUT_S="20"
