@@ -95,28 +95,27 @@ def host_subnets() -> list[str]:
     """Every IPv4 network the host has an address in (but the jobs' veths and loopback): its
     LAN, where the cluster's other hosts and their services are, walled like the private
     ranges whatever its addresses look like."""
-    done = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=30)
-    found = []
-    for line in done.stdout.splitlines():
-        fields = line.split()
-        if len(fields) < 4 or fields[1].startswith(HOST_IF) or fields[1] == "lo" or fields[2] != "inet":
-            continue
-        with contextlib.suppress(ValueError):
-            found.append(str(ipaddress.ip_interface(fields[3]).network))
-    return sorted(set(found))
+    found = {str(net) for name, net in _ipv4_networks() if not name.startswith(HOST_IF) and name != "lo"}
+    return sorted(found)
 
 
 def local_job_networks() -> list[ipaddress.IPv4Network]:
     """The /30s of this host's job veths (any worker's): a peer there is reached directly."""
+    return [net for name, net in _ipv4_networks() if name.startswith(HOST_IF)]
+
+
+def _ipv4_networks() -> list[tuple[str, ipaddress.IPv4Network]]:
+    """(interface, network) for each IPv4 address of the host, as `ip -4 -o addr` lists them."""
     done = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=30)
     found = []
     for line in done.stdout.splitlines():
         fields = line.split()
-        if len(fields) >= 4 and fields[1].startswith(HOST_IF) and fields[2] == "inet":
-            with contextlib.suppress(ValueError):
-                network = ipaddress.ip_interface(fields[3]).network
-                if isinstance(network, ipaddress.IPv4Network):
-                    found.append(network)
+        if len(fields) < 4 or fields[2] != "inet":
+            continue
+        with contextlib.suppress(ValueError):
+            network = ipaddress.ip_interface(fields[3]).network
+            if isinstance(network, ipaddress.IPv4Network):
+                found.append((fields[1], network))
     return found
 
 
@@ -319,13 +318,13 @@ def forget(veth: Attached) -> None:
     """What a node whose worker was killed left under this veth's name or address (mesh
     elements, its own routes): a new node there starts with nothing of it."""
     stale = {}
+    mine = {veth.host_if, veth.job_address} - {""}
     for name in (PEERS_OUT, PEERS_IN):
         listed = subprocess.run(
             ["nft", "-j", "list", "set", "inet", TABLE, name], capture_output=True, text=True, timeout=30
         )
         if listed.returncode != 0:
             raise NetworkUnavailable(f"nft list set {name}: {listed.stderr.strip()}")
-        mine = {veth.host_if, veth.job_address} - {""}
         gone = [e for e in _elements(listed.stdout) if mine & set(e)]
         stale[name] = [f'"{a}" . {b} . {c}' for a, b, c in gone]
     script = "".join(

@@ -57,13 +57,11 @@ def sandbox_namespace(outer_pid: int) -> str | None:
     there lives in a namespace that is not ours. None until that child exists (or once all of
     it ended). Inside, every rank has the same TORCHJOBS_CHECKPOINT_DIR (/job/...), so the
     namespace, not the environment, tells one node's processes from another's."""
-    mine = pid_namespace("self")
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and parent_of(entry) == outer_pid:
-            ns = pid_namespace(entry)
-            if ns is not None and ns != mine:
-                return ns
-    return None
+    pinned = pin_sandbox_namespace(outer_pid)
+    if pinned is None:
+        return None
+    os.close(pinned[1])
+    return pinned[0]
 
 
 def pin_sandbox_namespace(outer_pid: int) -> tuple[str, int] | None:

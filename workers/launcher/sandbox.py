@@ -233,7 +233,7 @@ def write_hosts(folder: Path, names: Sequence[tuple[str, str]]) -> None:
     """The sandbox's /etc/hosts for a routed multi-node job: loopback and its nodes' own
     addresses. gloo's and c10d's reverse look-ups of a peer answer from it at once; asked of
     the host's resolver (often on a private address, walled from jobs) each waited out its
-    timeout (+5.6 s to the first step, bench/mesh.py)."""
+    timeout (5.0 s a look-up, measured in a routed sandbox)."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
     lines += [f"{address} {name}" for address, name in names]

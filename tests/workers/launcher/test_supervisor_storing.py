@@ -211,6 +211,17 @@ for name in ("__0_0.distcp", ".metadata"):
 """
 
 
+def folder_hooks(store_part: Any, try_list: Any) -> Hooks:
+    """A running job whose peers have ended: only the folder hooks say anything."""
+    return Hooks(
+        write_batch=lambda batch: ("running", 1),
+        record_checkpoint=lambda *_: None,
+        job_control=lambda: ("running", 1),
+        peers_ended=lambda: datetime.now(UTC),
+        folders=FolderHooks(store_part=store_part, try_list=try_list),
+    )
+
+
 def test_node_0_lists_its_last_folder_though_a_try_fails_after_its_peers_ended(tmp_path: Path) -> None:
     """The other node has ended, the first try found its part not stored yet, and the next try
     met the database away: node 0 tries again before it reports its end (it once gave up, and
@@ -233,13 +244,7 @@ def test_node_0_lists_its_last_folder_though_a_try_fails_after_its_peers_ended(t
             opener(sig).close()
         return 41
 
-    hooks = Hooks(
-        write_batch=lambda batch: ("running", 1),
-        record_checkpoint=lambda *_: None,
-        job_control=lambda: ("running", 1),
-        peers_ended=lambda: datetime.now(UTC),
-        folders=FolderHooks(store_part=store_part, try_list=try_list),
-    )
+    hooks = folder_hooks(store_part, try_list)
     outcome = node(paths, [sys.executable, "-c", DCP_FOLDER, str(paths.checkpoints)], hooks).run()
     assert outcome.state == "succeeded"
     assert listed == [41] and not answers
@@ -296,13 +301,7 @@ def test_a_folder_listed_before_a_failed_try_is_not_tried_again(tmp_path: Path) 
             opener(sig).close()
         return next(parts)
 
-    hooks = Hooks(
-        write_batch=lambda batch: ("running", 1),
-        record_checkpoint=lambda *_: None,
-        job_control=lambda: ("running", 1),
-        peers_ended=lambda: datetime.now(UTC),
-        folders=FolderHooks(store_part=store_part, try_list=try_list),
-    )
+    hooks = folder_hooks(store_part, try_list)
     argv = [sys.executable, "-c", TWO_DCP_FOLDERS, str(paths.checkpoints)]
     assert node(paths, argv, hooks).run().state == "succeeded"
     assert tries == [1, 2, 2]
