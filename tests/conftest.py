@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
 from service.testing import harness
 from tests.redis_dbs import fresh_redis_url, release_redis_url
@@ -103,11 +104,24 @@ def module_key(path: Path) -> str:
 
 
 def xdist_group_of(key: str) -> str:
-    """Meant to keep a module's tests together (module and package fixtures made once per
-    process). NOT honoured today: xdist 3.8's loadgroup writes the group into `item._nodeid`,
-    and pytest 9 reads a test's id from `item._id`, so each test is its own work unit (seen
-    with `-v`, 2026-12-06). `--dist loadscope` or pytest < 9 would restore it (issue #38)."""
+    """A module's tests stay in one process, so its module fixtures (a whole stack) are made
+    once, not once per process; the modules on the fixed Redis databases share one group."""
     return "redis-fixed" if key.startswith(FIXED_REDIS) else key
+
+
+class ModuleGroupScheduling(LoadScopeScheduling):
+    """xdist's loadgroup cannot keep groups under pytest 9: it writes the group into
+    `item._nodeid`, and pytest 9 reads a test's id from `item._id`, so every test was its own
+    work unit (seen with `-v`, 2026-12-06) and two processes built the same module's stack at
+    once. This scheduler groups by the node id alone, which both processes report alike."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        return xdist_group_of(path.removeprefix("tests/"))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> ModuleGroupScheduling:
+    return ModuleGroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -115,7 +129,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         key = module_key(item.path)
         for mark in MARKS.get(key, ()):
             item.add_marker(getattr(pytest.mark, mark))
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(key)))
     items[:] = longest_groups_first(items)
 
 
