@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     peer_exit_timeout_s: float = Field(120.0, gt=0)
     preflight_timeout_s: float = Field(60.0, gt=0)
     warm_agent: bool = True  # keep one torchrun agent waiting with torch imported
+    # a warm spare sandbox (CPU workers) also forks its node's ranks from a process that has
+    # imported torch and taken a first step (workers/runtime/warm_rank_server.py)
+    warm_ranks: bool = True
     # Walls between users (contract §7, workers/launcher/sandbox.py): "auto" sandboxes ranks
     # whenever the worker can, "off" never does (the worker then says isolation "none").
     sandbox: Literal["auto", "off"] = "auto"

@@ -85,6 +85,7 @@ MARKS: dict[str, tuple[str, ...]] = {
     "workers/runtime/test_runtime_train_single.py": ("torchrun",),
     "workers/runtime/test_runtime_units.py": ("torchrun",),
     "workers/runtime/test_runtime_v2_hyper.py": ("torchrun",),
+    "workers/runtime/test_warm_ranks.py": ("torchrun",),
 }
 # Modules that use one of the fixed Redis databases 12-15 (the benchmarks use 12 and 13 too):
 # one xdist group, so one process at a time uses them (two stacks on one database would take

@@ -110,6 +110,7 @@ def spare_sandboxes(ctx: WorkerContext) -> SpareSandboxes:
         python=sys.executable,
         private_network=ctx.settings.job_network in ("private", "routed"),
         uids=ctx.uids,
+        warm_ranks=ctx.settings.warm_ranks,
     )
 
 

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -448,6 +449,21 @@ def kill_job_processes(job_id: int, home: Path | None = None) -> None:
     for pid in pids_of_job(job_id, home):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def warm_ranks_ready(stack: Stack) -> bool:
+    """A spare sandbox of the stack's workers has its rank server listening (warm_agent.py):
+    the next node on it starts its ranks warm. The spare's /tmp is `torchjobs-spare-NAME` in
+    the worker's temporary folder, NAME being its folder under the runs' `.spares`."""
+    tmp = Path(stack.env.get("TMPDIR") or tempfile.gettempdir())
+    for run in stack.home.glob("runs/*/.spares/*/run"):
+        if (tmp / f"torchjobs-spare-{run.parent.name}" / ".torchjobs-warm-ranks" / "socket").is_socket():
+            return True
+    return False
+
+
+def wait_warm_ranks(stack: Stack, timeout: float = 120) -> None:
+    wait_for(lambda: warm_ranks_ready(stack), timeout, "a spare sandbox's rank server")
 
 
 def wait_event(

@@ -32,6 +32,8 @@ from workers.launcher.jobfiles import remove_tree
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts, wrap, write_identity
 from workers.launcher.uids import UidPool
 
+WARM_RANKS_FLAG = "--warm-ranks"  # warm_agent.py's (which imports torch: not imported here)
+
 
 @dataclass(frozen=True)
 class SpareDirs:
@@ -52,7 +54,9 @@ class SpareSandboxes:
         python: str,
         private_network: bool = False,
         uids: UidPool | None = None,
+        warm_ranks: bool = False,
     ) -> None:
+        self.warm_ranks = warm_ranks  # each spare also forks its node's ranks (warm_agent.py)
         self.uids = uids  # each spare a uid of its own, which the node it serves keeps
         self.iso, self.read_only, self.python = iso, read_only, python
         self.private_network = private_network  # a spare serves only nodes with the same network
@@ -72,7 +76,10 @@ class SpareSandboxes:
             private_network=self.private_network,
             identity=dirs.root / "identity" if dirs.owner is not None else None,
         )
-        argv = wrap([self.python, "-m", "workers.launcher.warm_agent"], iso, mounts, self.python)
+        agent = [self.python, "-m", "workers.launcher.warm_agent"]
+        if self.warm_ranks:
+            agent.append(WARM_RANKS_FLAG)
+        argv = wrap(agent, iso, mounts, self.python)
         try:
             proc = subprocess.Popen(
                 dying_with_parent(argv),

@@ -12,13 +12,22 @@ Its first act, before it imports torch, is one line on stdout, `up`: in a spare 
 that bubblewrap has set the sandbox up around it (its binds read), so the worker may now move
 the spare's folders under a node (agents.py waits for it; a spare taken before that once lost
 its identity files to the move, and bubblewrap failed).
+
+With `--warm-ranks` (a spare sandbox, `TORCHJOBS_WARM_RANKS`) it also starts a rank server
+beside it (workers/runtime/warm_rank_server.py), and once the server listens, the launch's
+ranks start through warm_rank_client.py, forked from the server: a rank then skips its own
+import of torch and its first step's. The server's word on each rank (warm, or cold and why)
+goes to this agent's log.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import threading
+from pathlib import Path
 from typing import Any
 
 if __name__ == "__main__":  # run as the agent, not imported
@@ -28,6 +37,46 @@ if __name__ == "__main__":  # run as the agent, not imported
 import torch.distributed.run as torchrun  # after `up`: the sandbox is set up by then
 
 MARKER = "workers.launcher.warm_agent"  # procs.py recognises a warm agent by it
+WARM_RANKS_FLAG = "--warm-ranks"
+RANK_SOCKET = Path("/tmp/.torchjobs-warm-ranks/socket")  # the sandbox's own /tmp
+CLIENT = str(Path(__file__).resolve().parent.parent / "runtime" / "warm_rank_client.py")
+
+
+def start_rank_server() -> subprocess.Popen[bytes]:
+    """The rank server, as this agent's uid and in its sandbox; it exits when this process's
+    end of its stdin closes (this process's end)."""
+    from workers.runtime.warm_rank import COMMAND_ROOM, ROOM_BYTES, ROOM_VAR
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "workers.runtime.warm_rank_server", str(RANK_SOCKET), " " * COMMAND_ROOM],
+        env={**os.environ, "PYTHONUNBUFFERED": "1", ROOM_VAR: "x" * ROOM_BYTES},  # ranks get -u
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    threading.Thread(target=_relay, args=(server,), name="torchjobs-warm-ranks-log", daemon=True).start()
+    return server
+
+
+def _relay(server: subprocess.Popen[bytes]) -> None:
+    """The server's lines into this agent's stderr: its log, once the launch is adopted."""
+    assert server.stderr is not None
+    for line in server.stderr:
+        try:
+            os.write(2, line)
+        except OSError:
+            return
+
+
+def through_warm_ranks(args: list[str], server: subprocess.Popen[bytes] | None) -> list[str]:
+    """torchrun's arguments with each rank started by the warm-rank client, when the server
+    is alive and listening (else as they were: the ranks start cold)."""
+    if server is None or server.poll() is not None or not RANK_SOCKET.is_socket() or "-m" not in args:
+        print("torchjobs: ranks start cold (no warm rank server ready)", file=sys.stderr, flush=True)
+        return args
+    entry = args.index("-m")  # torchrun's own options are all --name=value (command.build_launch)
+    client = ["--no-python", sys.executable, "-I", "-S", CLIENT, str(RANK_SOCKET), "--", "-u"]
+    return [*args[:entry], *client, *args[entry:]]
 
 
 def adopt(request: dict[str, Any]) -> list[str]:
@@ -47,10 +96,14 @@ def adopt(request: dict[str, Any]) -> list[str]:
 
 
 def main() -> int:
+    server = start_rank_server() if WARM_RANKS_FLAG in sys.argv[1:] else None
     line = sys.stdin.readline()
     if not line.strip():
         return 0
-    torchrun.main(adopt(json.loads(line)))
+    args = adopt(json.loads(line))
+    if server is not None:
+        args = through_warm_ranks(args, server)
+    torchrun.main(args)
     return 0
 
 

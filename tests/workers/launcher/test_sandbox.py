@@ -23,10 +23,12 @@ import pytest
 from service.nodes.values import NodeKey
 from service.testing.harness import free_port
 from workers.launcher import lifeline, procs, sandbox
+from workers.launcher.agents import WarmAgentPool
 from workers.launcher.command import NodeLaunch, build_launch, resume_dir_of
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
 from workers.launcher.sandbox_spares import SpareSandboxes
 from workers.launcher.supervisor import Hooks, NodeSupervisor, warm_agents
+from workers.launcher.warm_agent import RANK_SOCKET
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="builds both sandboxes as root")
 
@@ -194,11 +196,12 @@ def test_detect_says_why_there_is_no_sandbox() -> None:
 
 
 WHOAMI = """
-import os, shutil
+import os, shutil, sys
 env = os.environ
 print(f"uid={os.getuid()} cwd={os.getcwd()} home={env['HOME']} flag={env.get('MY_FLAG')}", flush=True)
 print("resume=" + open(os.environ["TORCHJOBS_RESUME_FROM"]).read(), flush=True)
 print("processes=" + ",".join(sorted(p for p in os.listdir("/proc") if p.isdigit())), flush=True)
+print(f"warm={'workers.runtime.warm_rank' in sys.modules} ns={os.readlink('/proc/self/ns/pid')}", flush=True)
 ckpts = os.environ["TORCHJOBS_CHECKPOINT_DIR"]
 with open(os.path.join(ckpts, "final.pt.tmp"), "w") as fh:
     fh.write("weights")
@@ -206,12 +209,47 @@ os.rename(os.path.join(ckpts, "final.pt.tmp"), os.path.join(ckpts, "final.pt"))
 """
 
 
-@pytest.mark.parametrize("warm", [True, False])
-def test_a_node_runs_in_a_sandbox_warm_or_cold_and_leaves_nothing(tmp_path: Path, warm: bool) -> None:
-    """The whole supervisor: a warm spare sandbox is moved under the node (its folders renamed
-    to the node's), or a cold one is made for it; either way the rank sees /job, its resume
-    file and only its own processes, and the node's end removes every folder."""
-    iso = sandbox.detect("auto", "torchjobs-run")
+class Node:
+    """One node of a script job through the whole supervisor, from `pool`."""
+
+    def __init__(self, tmp_path: Path, pool: WarmAgentPool, iso: Isolation, job_id: int) -> None:
+        code = tmp_path / "code"
+        self.resume = tmp_path / "cache" / "abc.pt"
+        self.run_dir = tmp_path / "runs" / f"job-{job_id}" / "attempt-1" / "node-0"
+        launch = NodeLaunch(
+            job_id=job_id, attempt=1, node_rank=0, nnodes=1, mode="single", gpus=(0,), accelerator="cpu",
+            master_addr="127.0.0.1", master_port=free_port(), entrypoint={"kind": "script", "path": "x.py"},
+            hyperparameters=None, script_path=str(code / "whoami.py"), run_dir=self.run_dir,
+            python=sys.executable, tmp_root=Path(tempfile.gettempdir()), resume_path=str(self.resume),
+            isolation=iso, read_only=_node_read_only(tmp_path), user_env={"MY_FLAG": "on"},
+        )  # fmt: skip
+        self.batches: list = []
+        self.stored: list[str] = []
+        self.node = NodeSupervisor(
+            key=NodeKey(job_id=job_id, attempt=1, node_rank=0),
+            plan=build_launch(launch),
+            mode="single",
+            gpus=1,
+            hooks=Hooks(
+                write_batch=lambda b: self.batches.append(b) or None,
+                record_checkpoint=lambda f, n, m, v: self.stored.append(f.read().decode()),
+                job_control=lambda: ("running", 1),
+            ),
+            grace_s=5,
+            shutdown=threading.Event(),
+            agents=pool,
+        )
+
+    def run(self) -> str:
+        """The rank's output; the node has succeeded."""
+        outcome = self.node.run()
+        out = b"".join(data for b in self.batches for _, _, data in b.logs).decode()
+        assert outcome.state == "succeeded", (outcome.error, out)
+        self.agent_log = (self.run_dir / "agent.log").read_text()
+        return out
+
+
+def _node_files(tmp_path: Path) -> None:
     code = tmp_path / "code"
     code.mkdir()
     (code / "whoami.py").write_text(WHOAMI)
@@ -219,49 +257,84 @@ def test_a_node_runs_in_a_sandbox_warm_or_cold_and_leaves_nothing(tmp_path: Path
     resume.parent.mkdir()
     resume.write_text("weights-1")
     resume.chmod(0o644)
-    read_only = (*sandbox.python_paths(sys.executable), str(code))
+
+
+def _node_read_only(tmp_path: Path) -> tuple[str, ...]:
+    return (*sandbox.python_paths(sys.executable), str(tmp_path / "code"))
+
+
+def _spare_pool(tmp_path: Path, iso: Isolation, warm: str) -> WarmAgentPool:
+    """cold, warm (a waiting torchrun agent) or warm-ranks (and its rank server), ready."""
     runs = tmp_path / "runs"
-    spares = SpareSandboxes(iso, read_only, runs / ".spares", Path(tempfile.gettempdir()), sys.executable)
-    pool = warm_agents({}, enabled=warm, sandboxes=spares)
+    tmp_root = Path(tempfile.gettempdir())
+    read_only = _node_read_only(tmp_path)
+    ranks = warm == "warm-ranks"
+    spares = SpareSandboxes(iso, read_only, runs / ".spares", tmp_root, sys.executable, warm_ranks=ranks)
+    pool = warm_agents({}, enabled=warm != "cold", sandboxes=spares)
+    deadline = time.monotonic() + 120
+    while warm != "cold" and not (pool.ready() and (warm == "warm" or _rank_server_ready(runs, tmp_root))):
+        assert time.monotonic() < deadline, "no warm sandbox started"
+        time.sleep(0.05)
+    return pool
+
+
+def _rank_server_ready(runs: Path, tmp_root: Path) -> bool:
+    """A spare's rank server listens (warm_agent.RANK_SOCKET, in the spare's own /tmp)."""
+    spares = [p.name for p in (runs / ".spares").glob("*") if (p / "run").is_dir()]
+    sockets = [tmp_root / f"torchjobs-spare-{name}" / RANK_SOCKET.relative_to("/tmp") for name in spares]
+    return any(s.is_socket() for s in sockets)
+
+
+@pytest.mark.parametrize("warm", ["warm", "warm-ranks", "cold"])
+def test_a_node_runs_in_a_sandbox_warm_or_cold_and_leaves_nothing(tmp_path: Path, warm: str) -> None:
+    """The whole supervisor: a warm spare sandbox is moved under the node (its folders renamed
+    to the node's), or a cold one is made for it; either way the rank sees /job, its resume
+    file and only its own processes, and the node's end removes every folder. With warm
+    ranks, the rank is forked from the spare's rank server, and says so in the agent's log."""
+    iso = sandbox.detect("auto", "torchjobs-run")
+    _node_files(tmp_path)
+    pool = _spare_pool(tmp_path, iso, warm)
     try:
-        deadline = time.monotonic() + 60
-        while warm and not pool.ready():
-            assert time.monotonic() < deadline, "no warm sandbox started"
-            time.sleep(0.05)
-        run_dir = runs / "job-1" / "attempt-1" / "node-0"
-        launch = NodeLaunch(
-            job_id=1, attempt=1, node_rank=0, nnodes=1, mode="single", gpus=(0,), accelerator="cpu",
-            master_addr="127.0.0.1", master_port=free_port(), entrypoint={"kind": "script", "path": "x.py"},
-            hyperparameters=None, script_path=str(code / "whoami.py"), run_dir=run_dir, python=sys.executable,
-            tmp_root=Path(tempfile.gettempdir()), resume_path=str(resume), isolation=iso, read_only=read_only,
-            user_env={"MY_FLAG": "on"},
-        )  # fmt: skip
-        batches: list = []
-        stored: list[str] = []
-        node = NodeSupervisor(
-            key=NodeKey(job_id=1, attempt=1, node_rank=0),
-            plan=build_launch(launch),
-            mode="single",
-            gpus=1,
-            hooks=Hooks(
-                write_batch=lambda b: batches.append(b) or None,
-                record_checkpoint=lambda f, n, m, v: stored.append(f.read().decode()),
-                job_control=lambda: ("running", 1),
-            ),
-            grace_s=5,
-            shutdown=threading.Event(),
-            agents=pool,
-        )
-        outcome = node.run()
-        out = b"".join(data for b in batches for _, _, data in b.logs).decode()
-        assert outcome.state == "succeeded", (outcome.error, out)
-        assert (pool.warm_starts, pool.cold_starts) == ((1, 0) if warm else (0, 1))
+        node = Node(tmp_path, pool, iso, job_id=1)
+        out = node.run()
+        assert (pool.warm_starts, pool.cold_starts) == ((0, 1) if warm == "cold" else (1, 0))
         assert f"uid={iso.uid} cwd=/job home=/job/home flag=on" in out
-        assert "resume=weights-1" in out and stored == ["weights"]
+        assert "resume=weights-1" in out and node.stored == ["weights"]
+        assert f"warm={warm == 'warm-ranks'} " in out
+        assert ("a rank starts warm" in node.agent_log) == (warm == "warm-ranks"), node.agent_log
         processes = out.split("processes=")[1].split()[0].split(",")
-        assert len(processes) <= 4  # PID 1, the agent, the rank and its shell
-        node.cleanup()
-        assert not run_dir.exists() and not resume_dir_of(run_dir).exists()
+        # PID 1, the agent and the rank (and its shell); with warm ranks, the server and the
+        # rank's client besides
+        assert len(processes) <= (6 if warm == "warm-ranks" else 4)
+        node.node.cleanup()
+        assert not node.run_dir.exists() and not resume_dir_of(node.run_dir).exists()
     finally:
         pool.close()
-    assert not any((runs / ".spares").glob("*/run"))  # the next spare, discarded with the pool
+    assert not any((tmp_path / "runs" / ".spares").glob("*/run"))  # the next spare, discarded with the pool
+
+
+def test_a_rank_server_serves_one_node_and_dies_with_it(tmp_path: Path) -> None:
+    """Two nodes in a row from one worker's pool, both warm: each rank was forked by the
+    server of its own spare sandbox (another PID namespace), and after a node's end nothing of
+    its sandbox (server included) is left."""
+    iso = sandbox.detect("auto", "torchjobs-run")
+    _node_files(tmp_path)
+    pool = _spare_pool(tmp_path, iso, "warm-ranks")
+    namespaces = []
+    try:
+        for job_id in (1, 2):
+            if job_id == 2:
+                deadline = time.monotonic() + 120
+                tmp_root = Path(tempfile.gettempdir())
+                while not (pool.ready() and _rank_server_ready(tmp_path / "runs", tmp_root)):
+                    assert time.monotonic() < deadline, "no second warm sandbox started"
+                    time.sleep(0.05)
+            node = Node(tmp_path, pool, iso, job_id=job_id)
+            out = node.run()
+            assert "warm=True " in out, node.agent_log
+            namespaces.append(out.split(" ns=")[1].split()[0])
+            node.node.cleanup()
+            assert procs.pids_in_namespace(namespaces[-1]) == []
+    finally:
+        pool.close()
+    assert namespaces[0] != namespaces[1]

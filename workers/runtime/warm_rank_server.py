@@ -1,0 +1,155 @@
+"""`python -m workers.runtime.warm_rank_server SOCKET`: ranks forked from a process that has
+already imported torch and the runtime, and taken the builtin trainer's first step once.
+
+A rank's own start costs about 2.4 s of importing torch and, at its first optimizer step,
+about 2 s more (the lazy import of `torch._dynamo`); a fork of a process that holds both costs
+milliseconds. A warm spare sandbox (sandbox_spares.py) starts this server beside its torchrun
+agent, as the spare's uid, in the spare's namespaces and, once a node takes the spare, in the
+node's control groups: it serves the ranks of that one node and no other, and dies with it.
+
+Each rank's warm_rank_client.py connects and sends its argv, environment, folder and
+descriptors; the server forks, and the child becomes that rank as `python ARGV` would have
+started it (warm_rank.py in the child). The server answers `pid N`, then `exit STATUS` when
+the child ends. It declines (`cold`) where a warm rank could differ from a cold one: the job's
+own packages or code could shadow a module the server has imported, or its environment does
+not fit where /proc shows it (the worker finds ranks by their environment there).
+
+The server reads its stdin only for its end: the agent that started it holds it open, so the
+server exits with the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from workers.runtime import warm_rank
+
+MAX_REQUEST = 1 << 20
+FDS = 4  # stdin, stdout, stderr, the client's life pipe
+
+
+class RankServer:
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.selector = selectors.DefaultSelector()
+        self.waiting: dict[int, socket.socket] = {}  # child pid -> its client's connection
+        self.wakeup_r, wakeup_w = os.pipe()
+        os.set_blocking(self.wakeup_r, False)
+        os.set_blocking(wakeup_w, False)
+        signal.set_wakeup_fd(wakeup_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # the wake-up descriptor is what counts
+
+    def serve(self) -> None:
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wakeup_r, selectors.EVENT_READ, "reap")
+        self.selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "stdin" and not os.read(sys.stdin.fileno(), 4096):
+                    return  # the agent that started this server has gone
+                if key.data == "accept":
+                    self.accept()
+                elif key.data == "reap":
+                    self.reap()
+
+    def accept(self) -> None:
+        try:
+            accepted, _ = self.listener.accept()
+        except OSError:
+            return
+        conn: socket.socket | None = accepted
+        fds: list[int] = []
+        try:
+            accepted.settimeout(5.0)
+            request, fds = receive(accepted)
+            why = warm_rank.declines(request) if len(fds) == FDS else "not the descriptors a rank needs"
+            if why is not None:
+                print(f"torchjobs: a rank starts cold: {why}", file=sys.stderr, flush=True)
+                accepted.sendall(b"cold\n")
+                return
+            pid = os.fork()
+            if pid == 0:
+                self._become_rank(request, fds)
+            self.waiting[pid] = accepted
+            conn = None
+            print(f"torchjobs: a rank starts warm, forked as pid {pid}", file=sys.stderr, flush=True)
+            accepted.sendall(f"pid {pid}\n".encode())
+        except (OSError, ValueError):
+            pass
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if conn is not None:
+                conn.close()
+
+    def _become_rank(self, request: dict[str, object], fds: list[int]) -> None:
+        """In the child: let go of everything of the server's, then run the rank; never returns."""
+        signal.set_wakeup_fd(-1)
+        os.close(self.wakeup_r)
+        self.selector.close()
+        self.listener.close()
+        for conn in self.waiting.values():
+            conn.close()
+        warm_rank.run(request, fds)
+
+    def reap(self) -> None:
+        while True:
+            try:
+                os.read(self.wakeup_r, 4096)
+            except BlockingIOError:
+                break
+        while self.waiting:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.waiting.pop(pid, None)
+            if conn is not None:
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"exit {status}\n".encode())
+                conn.close()
+
+
+def receive(conn: socket.socket) -> tuple[dict[str, object], list[int]]:
+    """One request: an 8-byte length, the JSON, and the descriptors on its first bytes."""
+    head, fds, _, _ = socket.recv_fds(conn, 8 + 65536, FDS + 1)
+    if len(head) < 8:
+        raise ValueError("short request")
+    size = int.from_bytes(head[:8], "big")
+    if size > MAX_REQUEST:
+        raise ValueError("request too large")
+    body = bytearray(head[8:])
+    while len(body) < size:
+        chunk = conn.recv(min(65536, size - len(body)))
+        if not chunk:
+            raise ValueError("request cut short")
+        body += chunk
+    request = json.loads(body)
+    if not isinstance(request, dict):
+        raise ValueError("not a request")
+    return request, list(fds)
+
+
+def main() -> int:
+    path = Path(sys.argv[1])
+    warm_rank.preload()
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(64)
+    RankServer(listener).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
