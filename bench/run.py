@@ -13,6 +13,7 @@ in this order:
 | --- | --- | --- |
 | trainer | bench/trainer_vs_seed.py: builtin trainer samples/s | a seed-style hand loop |
 | launch | bench/launch.py: POST -> first step, whole job, throughput | torchrun by hand |
+| warm_launch | bench/warm_launch.py: POST -> first step warm, cold; a 20-trial sweep | torchrun by hand |
 | sandbox | bench/sandbox.py: first step and throughput in the ranks' sandbox | the product unsandboxed |
 | api | bench/api.py: GET/POST req/s and latency with wrk; list on 100k jobs | bare FastAPI; first page |
 | submit | bench/submit.py: POST /v1/jobs, 1 and 2 API processes | bare POST; POST + the INSERTs |
@@ -283,6 +284,7 @@ BENCHMARKS = [
         for knob, args in (("bf16", ["--amp", "bf16"]), ("compile", ["--compile", "--runs", "3"]))
     ),
     Bench("launch", [PY, "-m", "bench.launch"], [PY, "-m", "bench.launch", "--smoke"]),
+    Bench("warm_launch", [PY, "-m", "bench.warm_launch"], [PY, "-m", "bench.warm_launch", "--smoke"]),
     Bench("sandbox", [PY, "-m", "bench.sandbox"], [PY, "-m", "bench.sandbox", "--smoke"]),
     Bench("environment", [PY, "-m", "bench.environment"], [PY, "-m", "bench.environment", "--smoke"]),
     Bench("api", [PY, "-m", "bench.api"], [PY, "-m", "bench.api", "--smoke"]),

@@ -31,6 +31,7 @@ from workers.launcher.command import SYSTEM_PATH, LaunchPlan, resume_dir_of
 from workers.launcher.jobfiles import remove_tree
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts, wrap, write_identity
 from workers.launcher.uids import UidPool
+from workers.runtime.warm_rank import COMMAND_ROOM, ROOM_BYTES, ROOM_VAR
 
 WARM_RANKS_FLAG = "--warm-ranks"  # warm_agent.py's (which imports torch: not imported here)
 
@@ -77,8 +78,8 @@ class SpareSandboxes:
             identity=dirs.root / "identity" if dirs.owner is not None else None,
         )
         agent = [self.python, "-m", "workers.launcher.warm_agent"]
-        if self.warm_ranks:
-            agent.append(WARM_RANKS_FLAG)
+        if self.warm_ranks:  # and room for its forks' command lines (warm_rank.show_command)
+            agent += [WARM_RANKS_FLAG, " " * COMMAND_ROOM]
         argv = wrap(agent, iso, mounts, self.python)
         try:
             proc = subprocess.Popen(
@@ -105,7 +106,10 @@ class SpareSandboxes:
         for folder in (dirs.run, dirs.tmp, dirs.resume):
             folder.mkdir(parents=True)
         env_file = dirs.run / ENV_FILE
-        env_file.write_text(json.dumps({"PATH": SYSTEM_PATH, "PYTHONUNBUFFERED": "1"}))
+        env = {"PATH": SYSTEM_PATH, "PYTHONUNBUFFERED": "1"}
+        if self.warm_ranks:  # room for its forks' environments in /proc (warm_rank.py)
+            env[ROOM_VAR] = "x" * ROOM_BYTES
+        env_file.write_text(json.dumps(env))
         if owner is not None:
             for path in (dirs.run, dirs.tmp, env_file):
                 os.chown(path, *owner)

@@ -13,18 +13,18 @@ that bubblewrap has set the sandbox up around it (its binds read), so the worker
 the spare's folders under a node (agents.py waits for it; a spare taken before that once lost
 its identity files to the move, and bubblewrap failed).
 
-With `--warm-ranks` (a spare sandbox, `TORCHJOBS_WARM_RANKS`) it also starts a rank server
-beside it (workers/runtime/warm_rank_server.py), and once the server listens, the launch's
-ranks start through warm_rank_client.py, forked from the server: a rank then skips its own
-import of torch and its first step's. The server's word on each rank (warm, or cold and why)
-goes to this agent's log.
+With `--warm-ranks` (a spare sandbox, `TORCHJOBS_WARM_RANKS`) it also forks a rank server off
+itself, torch already imported (workers/runtime/warm_rank_server.py), and once the server
+listens, the launch's ranks start through warm_rank_client.py, forked from the server: a rank
+then skips its own import of torch and its first step's. The server's word on each rank (warm,
+or cold and why) goes to this agent's log. The spare starts with room in its environment and
+command line (sandbox_spares.py) that the server's forks show theirs in.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -42,36 +42,45 @@ RANK_SOCKET = Path("/tmp/.torchjobs-warm-ranks/socket")  # the sandbox's own /tm
 CLIENT = str(Path(__file__).resolve().parent.parent / "runtime" / "warm_rank_client.py")
 
 
-def start_rank_server() -> subprocess.Popen[bytes]:
-    """The rank server, as this agent's uid and in its sandbox; it exits when this process's
-    end of its stdin closes (this process's end)."""
-    from workers.runtime.warm_rank import COMMAND_ROOM, ROOM_BYTES, ROOM_VAR
+class RankServer:
+    """The rank server forked off this agent (warm_rank_server.serve_forked)."""
 
-    server = subprocess.Popen(
-        [sys.executable, "-m", "workers.runtime.warm_rank_server", str(RANK_SOCKET), " " * COMMAND_ROOM],
-        env={**os.environ, "PYTHONUNBUFFERED": "1", ROOM_VAR: "x" * ROOM_BYTES},  # ranks get -u
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    threading.Thread(target=_relay, args=(server,), name="torchjobs-warm-ranks-log", daemon=True).start()
-    return server
+    def __init__(self) -> None:
+        from workers.runtime import warm_rank_server
 
+        life_r, self.life = os.pipe()  # this process holds the write end: its end is the server's
+        log_r, log_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self.life)
+            os.close(log_r)
+            warm_rank_server.serve_forked(RANK_SOCKET, life_r, log_w)
+        os.close(life_r)
+        os.close(log_w)
+        threading.Thread(target=_relay, args=(log_r,), name="torchjobs-warm-ranks-log", daemon=True).start()
 
-def _relay(server: subprocess.Popen[bytes]) -> None:
-    """The server's lines into this agent's stderr: its log, once the launch is adopted."""
-    assert server.stderr is not None
-    for line in server.stderr:
+    def alive(self) -> bool:
         try:
-            os.write(2, line)
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+
+def _relay(log: int) -> None:
+    """The server's lines into this agent's stderr: its log, once the launch is adopted."""
+    while chunk := os.read(log, 65536):
+        try:
+            os.write(2, chunk)
         except OSError:
             return
 
 
-def through_warm_ranks(args: list[str], server: subprocess.Popen[bytes] | None) -> list[str]:
+def through_warm_ranks(args: list[str], server: RankServer) -> list[str]:
     """torchrun's arguments with each rank started by the warm-rank client, when the server
     is alive and listening (else as they were: the ranks start cold)."""
-    if server is None or server.poll() is not None or not RANK_SOCKET.is_socket() or "-m" not in args:
+    if not server.alive() or not RANK_SOCKET.is_socket() or "-m" not in args:
         print("torchjobs: ranks start cold (no warm rank server ready)", file=sys.stderr, flush=True)
         return args
     entry = args.index("-m")  # torchrun's own options are all --name=value (command.build_launch)
@@ -96,7 +105,7 @@ def adopt(request: dict[str, Any]) -> list[str]:
 
 
 def main() -> int:
-    server = start_rank_server() if WARM_RANKS_FLAG in sys.argv[1:] else None
+    server = RankServer() if WARM_RANKS_FLAG in sys.argv[1:] else None
     line = sys.stdin.readline()
     if not line.strip():
         return 0

@@ -168,7 +168,7 @@ def run(request: dict[str, Any], fds: list[int]) -> NoReturn:
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets it at start
         os.chdir(request["cwd"])
         _take_environment(request["env"], _raw(request["shown"]))
-        _show_command([sys.executable, *request["argv"]])
+        show_command([sys.executable, *request["argv"]])
         code = _run_entry(request["argv"], request["cwd"])
     except BaseException:
         with contextlib.suppress(BaseException):
@@ -260,7 +260,7 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _show_command(argv: list[str]) -> None:
+def show_command(argv: list[str]) -> None:
     """The rank's command line in /proc, cut to the room there (nothing reads it but people)."""
     start, end = _regions()[0]
     shown = b"\0".join(a.encode() for a in argv)[: end - start - 1]

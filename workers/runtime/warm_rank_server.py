@@ -1,11 +1,13 @@
-"""`python -m workers.runtime.warm_rank_server SOCKET`: ranks forked from a process that has
-already imported torch and the runtime, and taken the builtin trainer's first step once.
+"""The rank server: ranks forked from a process that has already imported torch and the
+runtime, and taken the builtin trainer's first step once.
 
 A rank's own start costs about 2.4 s of importing torch and, at its first optimizer step,
 about 2 s more (the lazy import of `torch._dynamo`); a fork of a process that holds both costs
-milliseconds. A warm spare sandbox (sandbox_spares.py) starts this server beside its torchrun
-agent, as the spare's uid, in the spare's namespaces and, once a node takes the spare, in the
-node's control groups: it serves the ranks of that one node and no other, and dies with it.
+milliseconds. A warm spare sandbox's torchrun agent (warm_agent.py), which has imported torch
+already, forks this server off itself (`serve_forked`): as the spare's uid, in the spare's
+namespaces and, once a node takes the spare, in the node's control groups, it serves the ranks
+of that one node and no other, and dies with it. `python -m workers.runtime.warm_rank_server
+SOCKET` runs one alone (the tests), its stdin standing for the agent.
 
 Each rank's warm_rank_client.py connects and sends its argv, environment, folder and
 descriptors; the server forks, and the child becomes that rank as `python ARGV` would have
@@ -14,8 +16,8 @@ the child ends. It declines (`cold`) where a warm rank could differ from a cold 
 own packages or code could shadow a module the server has imported, or its environment does
 not fit where /proc shows it (the worker finds ranks by their environment there).
 
-The server reads its stdin only for its end: the agent that started it holds it open, so the
-server exits with the agent.
+The server reads one descriptor only for its end: the agent holds the pipe's write end, so
+the server exits with the agent.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ import selectors
 import signal
 import socket
 import sys
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from workers.runtime import warm_rank
 
@@ -36,8 +40,8 @@ FDS = 4  # stdin, stdout, stderr, the client's life pipe
 
 
 class RankServer:
-    def __init__(self, listener: socket.socket) -> None:
-        self.listener = listener
+    def __init__(self, listener: socket.socket, life: int) -> None:
+        self.listener, self.life = listener, life
         self.selector = selectors.DefaultSelector()
         self.waiting: dict[int, socket.socket] = {}  # child pid -> its client's connection
         self.wakeup_r, wakeup_w = os.pipe()
@@ -49,10 +53,10 @@ class RankServer:
     def serve(self) -> None:
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.wakeup_r, selectors.EVENT_READ, "reap")
-        self.selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
+        self.selector.register(self.life, selectors.EVENT_READ, "life")
         while True:
             for key, _ in self.selector.select():
-                if key.data == "stdin" and not os.read(sys.stdin.fileno(), 4096):
+                if key.data == "life" and not os.read(self.life, 4096):
                     return  # the agent that started this server has gone
                 if key.data == "accept":
                     self.accept()
@@ -93,6 +97,7 @@ class RankServer:
         """In the child: let go of everything of the server's, then run the rank; never returns."""
         signal.set_wakeup_fd(-1)
         os.close(self.wakeup_r)
+        os.close(self.life)
         self.selector.close()
         self.listener.close()
         for conn in self.waiting.values():
@@ -139,15 +144,40 @@ def receive(conn: socket.socket) -> tuple[dict[str, object], list[int]]:
     return request, list(fds)
 
 
-def main() -> int:
-    path = Path(sys.argv[1])
+def serve(path: Path, life: int) -> None:
+    """Preload, listen at `path`, serve until `life` ends."""
     warm_rank.preload()
     path.parent.mkdir(mode=0o700, exist_ok=True)
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen(64)
-    RankServer(listener).serve()
+    RankServer(listener, life).serve()
+
+
+def serve_forked(path: Path, life: int, log: int) -> NoReturn:
+    """In a child just forked from the warm agent: its own output (`log`, relayed by the agent),
+    no stdin (the agent's launch line is the agent's), then `serve`; never returns."""
+    code = 1
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(null)
+        os.close(log)
+        warm_rank.show_command([sys.executable, "-m", __name__, str(path)])
+        serve(path, life)
+        code = 0
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def main() -> int:
+    serve(Path(sys.argv[1]), sys.stdin.fileno())
     return 0
 
 
