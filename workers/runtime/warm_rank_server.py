@@ -51,14 +51,21 @@ class RankServer:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # the wake-up descriptor is what counts
 
     def serve(self) -> None:
+        """Until the agent's end; then no new rank, but each rank still running is waited for
+        and its exit told to its client (a rank told to stop by its client, whose torchrun
+        died, still saves, as a cold rank would)."""
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.wakeup_r, selectors.EVENT_READ, "reap")
         self.selector.register(self.life, selectors.EVENT_READ, "life")
-        while True:
+        closing = False
+        while not (closing and not self.waiting):
             for key, _ in self.selector.select():
                 if key.data == "life" and not os.read(self.life, 4096):
-                    return  # the agent that started this server has gone
-                if key.data == "accept":
+                    closing = True  # the agent that started this server has gone
+                    self.selector.unregister(self.life)
+                    self.selector.unregister(self.listener)
+                    self.listener.close()
+                elif key.data == "accept" and not closing:
                     self.accept()
                 elif key.data == "reap":
                     self.reap()

@@ -5,8 +5,10 @@ taken) and real clients, as torchrun starts them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -210,3 +212,63 @@ def test_the_jobs_own_modules_come_first_on_a_warm_path(server: tuple[Path, Path
     probe = _probe(out)
     assert code == 0 and probe["warm"], out
     assert probe["path0"] == [str(folder), str(own)]  # as `python -m` with PYTHONPATH sets it
+
+
+STOPPING = r"""
+import os, signal, sys, time
+def stop(*_):
+    open(os.environ["MARK"], "w").write("stopped by SIGTERM")
+    sys.exit(75)
+signal.signal(signal.SIGTERM, stop)
+print("pid", os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_rank_whose_torchrun_dies_is_stopped_and_saves_as_a_cold_one(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """torchrun SIGKILLed (the worker and its agent killed at once): the rank gets SIGTERM
+    from its client (a cold rank's ParentWatchdog does the same), and its server, whose agent
+    is gone too, still waits for it rather than leaving it unwatched."""
+    with _own_server(tmp_path_factory) as (socket_path, server):
+        folder = _folder(tmp_path, STOPPING)
+        mark = tmp_path / "mark"
+        torchrun = subprocess.Popen(  # stands in for torchrun: the client's parent
+            ["sh", "-c", " ".join(map(shlex.quote, _rank_argv(socket_path))) + " & wait"],
+            env=_env(MARK=str(mark)),
+            cwd=folder,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert torchrun.stdout is not None
+        pid = int(torchrun.stdout.readline().split()[1])
+        assert server.stdin is not None
+        server.stdin.close()  # the agent is gone: no new rank, the running one still watched
+        os.kill(torchrun.pid, signal.SIGKILL)
+        torchrun.wait()
+        assert _gone(pid, timeout=20), "the rank went on after its torchrun died"
+        assert mark.read_text() == "stopped by SIGTERM"
+        assert server.wait(timeout=20) == 0  # and the server ends once its last rank has
+
+
+@contextlib.contextmanager
+def _own_server(factory: pytest.TempPathFactory) -> Iterator[tuple[Path, subprocess.Popen[bytes]]]:
+    home = factory.mktemp("own-server")
+    socket_path = home / "sock" / "socket"
+    env = {"PATH": os.environ["PATH"], "PYTHONUNBUFFERED": "1", ROOM_VAR: "x" * ROOM_BYTES}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.runtime.warm_rank_server", str(socket_path), " " * COMMAND_ROOM],
+        env=env,
+        stdin=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not socket_path.is_socket():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        yield socket_path, proc
+    finally:
+        proc.kill()
+        proc.wait()
