@@ -75,9 +75,19 @@ def _user(stack: Stack, name: str) -> str:
 
 
 def _logs(stack: Stack, job: dict, token: str) -> str:
+    """Every rank's whole log, page after page (a snoop prints a lot)."""
     ranks = job["gpus_per_node"] if job["mode"] == "ddp" else 1
+    text = []
     with stack.client(token) as c:
-        return "".join(c.get(f"/v1/jobs/{job['id']}/logs", params={"rank": r}).text for r in range(ranks))
+        for rank in range(ranks):
+            offset = -1
+            while True:
+                page = c.get(f"/v1/jobs/{job['id']}/logs", params={"rank": rank, "offset": max(offset, 0)})
+                text.append(page.text)
+                if int(page.headers["X-Next-Offset"]) in (offset, 0) or not page.content:
+                    break
+                offset = int(page.headers["X-Next-Offset"])
+    return "".join(text)
 
 
 def _secrets(stack: Stack, alice_token: str, alice_job: int) -> dict[str, str]:
