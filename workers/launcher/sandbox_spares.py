@@ -31,9 +31,14 @@ from workers.launcher.command import SYSTEM_PATH, LaunchPlan, resume_dir_of
 from workers.launcher.jobfiles import remove_tree
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts, wrap, write_identity
 from workers.launcher.uids import UidPool
-from workers.runtime.warm_rank import COMMAND_ROOM, ROOM_BYTES, ROOM_VAR
 
 WARM_RANKS_FLAG = "--warm-ranks"  # warm_agent.py's (which imports torch: not imported here)
+# With warm ranks, a spare starts with room in its environment and its command line, where
+# the rank server's forks write theirs for /proc to show (workers/runtime/warm_rank.py). A
+# rank's environment is 2-4 KB but for the job's own `env`; a larger one starts cold. /proc
+# shows the rest of the room as NULs, so it is kept small.
+ROOM_VAR, ROOM_BYTES = "TORCHJOBS_ENV_ROOM", 32_768
+COMMAND_ROOM = 4096
 
 
 @dataclass(frozen=True)

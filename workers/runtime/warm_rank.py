@@ -34,11 +34,6 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-ROOM_VAR = "TORCHJOBS_ENV_ROOM"  # the server starts with it, so its children have room in /proc
-# A rank's environment is 2-4 KB but for the job's own `env`; larger ones start cold. /proc
-# shows the rest of the room as NULs, so it is kept small.
-ROOM_BYTES = 32_768
-COMMAND_ROOM = 4096  # the server's last argument: room for a rank's command line in /proc
 ENTRY_MODULES = ("workers.runtime.trainer.train", "workers.runtime.script")
 # Read once, at the interpreter's or a library's start: a job that sets them differently from
 # the server starts cold. PYTHONPATH, -u and OMP_NUM_THREADS are applied in the child instead.

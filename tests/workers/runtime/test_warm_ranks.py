@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from workers.launcher.sandbox_spares import COMMAND_ROOM, ROOM_BYTES, ROOM_VAR
 from workers.launcher.warm_agent import CLIENT
-from workers.runtime.warm_rank import COMMAND_ROOM, ROOM_BYTES, ROOM_VAR
 
 PROBE = r"""
 import json, os, random, sys, threading
