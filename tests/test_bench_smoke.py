@@ -24,6 +24,7 @@ BENCHMARKS = (
     "trainer-bf16",
     "trainer-compile",
     "launch",
+    "warm_launch",
     "sandbox",
     "environment",
     "api",

@@ -40,9 +40,11 @@ ENTRY_MODULES = ("workers.runtime.trainer.train", "workers.runtime.script")
 APPLIED = frozenset({"PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS"})
 START_ONLY_PREFIXES: tuple[str, ...] = ("PYTHON", "TORCHDYNAMO", "TORCHINDUCTOR", "TORCH_LOGS", "OMP_")
 START_ONLY_PREFIXES += ("TORCH_COMPILE", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "LD_", "MALLOC_")
+PR_SET_PDEATHSIG = 1
 TORCH_FIXED_SEED = 67280421310721  # torch's default seed where it does not draw one at start
 _server_env: dict[str, str] = {}
 _base_path: list[str] = []
+_server_pid = [os.getpid()]
 _torch_start_state: list[Any] = []  # the generator's state at start, where that is fixed
 
 
@@ -50,6 +52,7 @@ def preload() -> None:
     """Everything a rank of the builtin trainer or a script imports before its first step, and
     that first step's own lazy imports (torch._dynamo, via the optimizers), once."""
     _server_env.update(os.environ)
+    _server_pid[0] = os.getpid()
     own = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     _base_path[:] = [p for p in sys.path[1:] if p not in own]
     import numpy  # noqa: F401
@@ -178,24 +181,26 @@ def run(request: dict[str, Any], fds: list[int]) -> NoReturn:
 
 
 def _take_descriptors(fds: list[int]) -> None:
+    """The client's stdin, stdout and stderr as this rank's; its life pipe is the server's to
+    watch (RankServer), not a thread of the rank's: a cold rank has no such thread, and a rank
+    with a second thread cannot fork its loaders' forkserver (loader_workers.py), which then
+    imports torch afresh (2-3 s before the first step)."""
     os.setsid()
+    _die_with_server()
     for target, fd in zip((0, 1, 2), fds[:3], strict=True):
         os.dup2(fd, target)
-    for fd in fds[:3]:
-        if fd > 2:
-            os.close(fd)
-    life = fds[3]
-    os.set_inheritable(life, False)
-    threading.Thread(target=_die_with_client, args=(life,), name="torchjobs-warm-life", daemon=True).start()
+    for fd in {*fds[:3], *fds[3:]} - {0, 1, 2}:
+        os.close(fd)
 
 
-def _die_with_client(life: int) -> None:
-    """The client holds the pipe's only write end: its end means torchrun killed it (or it
-    died), and a cold rank would have been killed with its group. So is this one."""
-    with contextlib.suppress(OSError):
-        while os.read(life, 1):
-            pass
-    os.killpg(0, signal.SIGKILL)
+def _die_with_server() -> None:
+    """SIGKILL when the server goes: it is what watches the client's life pipe for this rank."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != _server_pid[0]:  # the server died before this could take
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _take_environment(env: dict[str, str], shown: bytes) -> None:

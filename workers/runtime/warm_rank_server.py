@@ -29,6 +29,7 @@ import selectors
 import signal
 import socket
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -44,6 +45,7 @@ class RankServer:
         self.listener, self.life = listener, life
         self.selector = selectors.DefaultSelector()
         self.waiting: dict[int, socket.socket] = {}  # child pid -> its client's connection
+        self.lives: dict[int, int] = {}  # child pid -> its client's life pipe (EOF: kill it)
         self.wakeup_r, wakeup_w = os.pipe()
         os.set_blocking(self.wakeup_r, False)
         os.set_blocking(wakeup_w, False)
@@ -69,6 +71,8 @@ class RankServer:
                     self.accept()
                 elif key.data == "reap":
                     self.reap()
+                elif isinstance(key.data, int) and self.lives.get(key.data) == key.fd:
+                    self.client_alive(key.data)
 
     def accept(self) -> None:
         try:
@@ -90,6 +94,7 @@ class RankServer:
                 self._become_rank(request, fds)
             self.waiting[pid] = accepted
             conn = None
+            self.watch_client(pid, fds.pop())
             print(f"torchjobs: a rank starts warm, forked as pid {pid}", file=sys.stderr, flush=True)
             accepted.sendall(f"pid {pid}\n".encode())
         except (OSError, ValueError):
@@ -109,7 +114,32 @@ class RankServer:
         self.listener.close()
         for conn in self.waiting.values():
             conn.close()
+        for life in self.lives.values():
+            os.close(life)
         warm_rank.run(request, fds)
+
+    def watch_client(self, pid: int, life: int) -> None:
+        """The client holds the pipe's only write end: its end means torchrun killed it (or it
+        died), and a cold rank would have been killed with its group. So is this one."""
+        self.lives[pid] = life
+        self.selector.register(life, selectors.EVENT_READ, pid)
+
+    def client_alive(self, pid: int) -> None:
+        life = self.lives[pid]
+        try:
+            if os.read(life, 4096):
+                return
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)  # the rank leads its own session (warm_rank.run)
+        self.forget_client(pid)
+
+    def forget_client(self, pid: int) -> None:
+        life = self.lives.pop(pid, None)
+        if life is not None:
+            self.selector.unregister(life)
+            os.close(life)
 
     def reap(self) -> None:
         while True:
@@ -124,6 +154,7 @@ class RankServer:
                 return
             if pid == 0:
                 return
+            self.forget_client(pid)
             conn = self.waiting.pop(pid, None)
             if conn is not None:
                 with contextlib.suppress(OSError):
@@ -153,13 +184,36 @@ def receive(conn: socket.socket) -> tuple[dict[str, object], list[int]]:
 
 def serve(path: Path, life: int) -> None:
     """Preload, listen at `path`, serve until `life` ends."""
-    warm_rank.preload()
+    preload_on_idle_cycles()
     path.parent.mkdir(mode=0o700, exist_ok=True)
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(str(path))
     listener.listen(64)
     RankServer(listener, life).serve()
+
+
+def preload_on_idle_cycles() -> None:
+    """The preload (about 5 s of a core) on cycles no one else wants: a spare is made as a job
+    ends, when the next may already be starting (cold, as the socket is not there yet), and on a
+    CPU worker the cores are the slots its ranks train on. The suite ran 21% longer with the
+    preload at normal priority. SCHED_IDLE is this thread's alone; ranks are forked by the main
+    thread, whose policy stays the normal one."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        try:
+            warm_rank.preload()
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="torchjobs-preload", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def serve_forked(path: Path, life: int, log: int) -> NoReturn:

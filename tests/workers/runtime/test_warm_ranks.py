@@ -36,6 +36,8 @@ print(json.dumps({
     "cwd": os.getcwd(),
     "path0": sys.path[:2],
     "threads": torch.get_num_threads(),
+    "python_threads": [t.name for t in threading.enumerate()],  # a loader forkserver needs one
+    "policy": os.sched_getscheduler(0),  # the server preloads at SCHED_IDLE, in a thread
     "session_leader": os.getsid(0) == os.getpid() == os.getpgid(0),
     "stdin": sys.stdin.read(),
     "unbuffered": getattr(sys.stdout, "write_through", False),
@@ -130,6 +132,7 @@ def test_a_warm_rank_is_started_exactly_as_a_cold_one(server: tuple[Path, Path],
     assert warm["cmdline"] == [sys.executable, "-u", "-m", "workers.runtime.script", "probe.py", "a", "b c"]
     assert warm["argv"] == ["a", "b c"] and warm["stdin"] == "to the rank" and warm["name"] == "__main__"
     assert warm["session_leader"] and warm["unbuffered"] and warm["threads"] == 1
+    assert warm["python_threads"] == ["MainThread"] and warm["policy"] == os.SCHED_OTHER
     assert "RuntimeWarning" not in warm_out, warm_out
 
 
