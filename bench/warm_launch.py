@@ -40,6 +40,12 @@ SIDES = {
     "warm agent only": {"TORCHJOBS_WARM_RANKS": "false"},
     "cold": {"TORCHJOBS_WARM_AGENT": "false"},
 }
+SWEEP_NOTE = (
+    "the sweep: a CPU worker prepares its next spare only while none of its nodes runs (its "
+    "cores are the ranks' slots) and a spare serves one node, so with both slots kept busy the "
+    "children start mostly cold and the sweep takes as long warm as cold (GPU workers keep no "
+    "spare sandbox at all: their ranks start cold)"
+)
 AGENT_SETTLE_S = 10.0  # a waiting agent's import of torch, where no file says it is done
 
 
@@ -158,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": [
             f"{runs} run(s) per mode and side, service and bare alternating; the warm sides wait "
             f"for their spare before each POST (rank server listening; the agent: {AGENT_SETTLE_S:g} s)",
+            SWEEP_NOTE,
         ],
     }
     print_figures(result)
