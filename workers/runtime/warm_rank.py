@@ -44,7 +44,6 @@ PR_SET_PDEATHSIG = 1
 TORCH_FIXED_SEED = 67280421310721  # torch's default seed where it does not draw one at start
 _server_env: dict[str, str] = {}
 _base_path: list[str] = []
-_server_pid = [os.getpid()]
 _torch_start_state: list[Any] = []  # the generator's state at start, where that is fixed
 
 
@@ -52,7 +51,6 @@ def preload() -> None:
     """Everything a rank of the builtin trainer or a script imports before its first step, and
     that first step's own lazy imports (torch._dynamo, via the optimizers), once."""
     _server_env.update(os.environ)
-    _server_pid[0] = os.getpid()
     own = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     _base_path[:] = [p for p in sys.path[1:] if p not in own]
     import numpy  # noqa: F401
@@ -155,11 +153,12 @@ def _is_module(path: Path) -> bool:
     return path.suffix in (".py", ".pyc", ".so", ".pth")
 
 
-def run(request: dict[str, Any], fds: list[int]) -> NoReturn:
-    """In the forked child: become the rank, run it, and exit as Python would."""
+def run(request: dict[str, Any], fds: list[int], server: int) -> NoReturn:
+    """In the child forked by the server (pid `server`): become the rank, run it, and exit as
+    Python would."""
     code = 1
     try:
-        _take_descriptors(fds)
+        _take_descriptors(fds, server)
         for sig in range(1, signal.NSIG):
             with contextlib.suppress(OSError, ValueError, RuntimeError):
                 if signal.getsignal(sig) not in (signal.SIG_DFL, None):
@@ -180,26 +179,26 @@ def run(request: dict[str, Any], fds: list[int]) -> NoReturn:
         os._exit(code)
 
 
-def _take_descriptors(fds: list[int]) -> None:
+def _take_descriptors(fds: list[int], server: int) -> None:
     """The client's stdin, stdout and stderr as this rank's; its life pipe is the server's to
     watch (RankServer), not a thread of the rank's: a cold rank has no such thread, and a rank
     with a second thread cannot fork its loaders' forkserver (loader_workers.py), which then
     imports torch afresh (2-3 s before the first step)."""
     os.setsid()
-    _die_with_server()
+    _die_with_server(server)
     for target, fd in zip((0, 1, 2), fds[:3], strict=True):
         os.dup2(fd, target)
-    for fd in {*fds[:3], *fds[3:]} - {0, 1, 2}:
+    for fd in set(fds) - {0, 1, 2}:
         os.close(fd)
 
 
-def _die_with_server() -> None:
+def _die_with_server(server: int) -> None:
     """SIGKILL when the server goes: it is what watches the client's life pipe for this rank."""
     import ctypes
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != _server_pid[0]:  # the server died before this could take
+    if os.getppid() != server:  # the server died before this could take
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -89,9 +89,10 @@ class RankServer:
                 print(f"torchjobs: a rank starts cold: {why}", file=sys.stderr, flush=True)
                 accepted.sendall(b"cold\n")
                 return
+            server = os.getpid()
             pid = os.fork()
             if pid == 0:
-                self._become_rank(request, fds)
+                self._become_rank(request, fds, server)
             self.waiting[pid] = accepted
             conn = None
             self.watch_client(pid, fds.pop())
@@ -105,7 +106,7 @@ class RankServer:
             if conn is not None:
                 conn.close()
 
-    def _become_rank(self, request: dict[str, object], fds: list[int]) -> None:
+    def _become_rank(self, request: dict[str, object], fds: list[int], server: int) -> None:
         """In the child: let go of everything of the server's, then run the rank; never returns."""
         signal.set_wakeup_fd(-1)
         os.close(self.wakeup_r)
@@ -116,7 +117,7 @@ class RankServer:
             conn.close()
         for life in self.lives.values():
             os.close(life)
-        warm_rank.run(request, fds)
+        warm_rank.run(request, fds, server)
 
     def watch_client(self, pid: int, life: int) -> None:
         """The client holds the pipe's only write end: its end means torchrun killed it (or it
@@ -196,9 +197,8 @@ def serve(path: Path, life: int) -> None:
 def preload_on_idle_cycles() -> None:
     """The preload (about 5 s of a core) on cycles no one else wants: a spare is made as a job
     ends, when the next may already be starting (cold, as the socket is not there yet), and on a
-    CPU worker the cores are the slots its ranks train on. The suite ran 21% longer with the
-    preload at normal priority. SCHED_IDLE is this thread's alone; ranks are forked by the main
-    thread, whose policy stays the normal one."""
+    CPU worker the cores are the slots its ranks train on. SCHED_IDLE is this thread's alone;
+    ranks are forked by the main thread, whose policy stays the normal one."""
     failed: list[BaseException] = []
 
     def run() -> None:
