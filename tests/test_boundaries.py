@@ -63,6 +63,18 @@ def loaded_after(code: str) -> list[str]:
             ),
             id="client-without-the-server",
         ),
+        pytest.param(
+            "import service.cli.main",  # every client command starts here: the server's imports wait
+            SERVER_STACK,
+            (
+                "service.cli",
+                "service.client",
+                "service.states",
+                "service.checkpoints.manifest",
+                "service.checkpoints.tar_layout",
+            ),
+            id="cli-entry-without-the-server",
+        ),
     ],
 )
 def test_a_boundary_holds(code: str, forbidden: tuple[str, ...], ours_allowed: tuple[str, ...]) -> None:
