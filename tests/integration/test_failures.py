@@ -125,7 +125,9 @@ def test_killed_worker_job_retries_from_checkpoint_to_identical_weights(
 def _killed_worker_retries(stack: Stack, sandboxed: bool, timed: bool = False) -> None:
     hyper = {"epochs": 3, "synthetic_size": 12000, "num_workers": 0, "report_every": 20, "seed": 3}
     if timed:
-        hyper.update(epochs=1, synthetic_size=120000, checkpoint_every=1000, checkpoint_every_s=2)
+        # one epoch of about 15 s (a 2-s checkpoint lands early in it, then the kill): 120,000
+        # samples took 50 s a run, twice, for nothing the shorter epoch does not show
+        hyper.update(epochs=1, synthetic_size=40000, checkpoint_every=1000, checkpoint_every_s=2)
     spec = {"mode": "single", "entrypoint": LONG, "hyperparameters": hyper, "max_retries": 1}
     job = stack.submit(spec)
     first = wait_event(stack, job["id"], lambda e: e["type"] == "checkpoint")
