@@ -19,7 +19,7 @@ from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service import __version__
-from service.api.deps import UserDep
+from service.api.deps import UserDep, unverified_caller_revoked
 from service.api.limits import BodyLimitMiddleware
 from service.api.responses import ERROR_RESPONSES
 from service.auth.tokens import ensure_admin
@@ -28,10 +28,11 @@ from service.code.router import router as code_router
 from service.config import Settings
 from service.dashboard.router import router as dashboard_router
 from service.db import Database, unavailable_reason
-from service.errors import TorchJobsError
+from service.errors import TorchJobsError, Unauthorized
 from service.exec.router import router as exec_router
 from service.hosts.router import router as hosts_router
 from service.jobs.router import router as jobs_router
+from service.jobs.submit_cache import SubmitCache
 from service.jobs.view_cache import ViewCache
 from service.jobs.view_feed import ViewFeed
 from service.metrics.router import install as install_metrics
@@ -84,6 +85,7 @@ def create_app(settings: Settings | None = None, *, scheduler: bool = True) -> F
             webhooks.start()
         app.state.scheduler = thread
         app.state.view_cache = ViewCache(settings.job_view_cache_ttl_s)
+        app.state.submit_cache = SubmitCache()
         view_feed = ViewFeed(db, app.state.view_cache)
         await view_feed.start()
         app.state.streams = Streams(db, settings)
@@ -216,9 +218,16 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"detail": "Method Not Allowed"}, status_code=405, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         """FastAPI's 422, with the quoted input made sendable: a lone surrogate in a body made
-        its own encoder fail, a 500 for a bad request."""
+        its own encoder fail, a 500 for a bad request. A revoked token whose caller came from
+        the submit cache is the 401 that looking it up would have raised first."""
+        try:
+            revoked = await unverified_caller_revoked(request)
+        except OperationalError as away:  # as `current_user` failing there would have answered
+            return await _database_away(request, away)
+        if revoked:
+            return await _domain_error(request, Unauthorized())
         return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
 
     @app.exception_handler(OperationalError)

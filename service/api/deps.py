@@ -19,11 +19,12 @@ from pydantic_core import PydanticUseDefault
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from service.auth.tokens import presented_token, user_for_token
+from service.auth.tokens import hash_token, presented_token, user_for_token, user_for_token_hash
 from service.config import Settings
 from service.db import Database
 from service.errors import Forbidden, NotFound, Unauthorized
 from service.jobs import service as jobs_service
+from service.jobs.submit_cache import Caller, SubmitCache, Submitter
 from service.models import Job, User, Webhook
 from service.schemas import MAX_ID
 from service.storage import Storage
@@ -146,6 +147,45 @@ def current_user(
     return user
 
 
+UNVERIFIED_CALLER = "unverified_caller"  # request.state: a token hash taken from the submit cache
+
+
+async def submitter(
+    request: Request,
+    session: Annotated[Session, Depends(get_session, scope="function")],
+    creds: BearerCreds,
+) -> Submitter:
+    """The caller of `POST /v1/jobs`: from the process's copy when it holds the token (no
+    query, no thread-pool hop; the job's INSERT checks the copy, service.jobs.submit_cache),
+    else as `current_user` finds it, and copied. A copy is marked on the request: should the
+    request fail FastAPI's own validation (a 422 decided before the handler runs, where the
+    INSERT never comes), `unverified_caller_revoked` asks the table first, so that a revoked
+    token is a 401 there too, as `current_user` made it."""
+    token_hash = hash_token(presented_token(creds))
+    cache: SubmitCache = request.app.state.submit_cache
+    known = cache.caller(token_hash)
+    if known is not None:
+        setattr(request.state, UNVERIFIED_CALLER, token_hash)
+        return Submitter(known)
+    user = await run_in_threadpool(current_user, session, creds)
+    caller = Caller.of(user, token_hash)
+    cache.store_caller(caller)
+    return Submitter(caller, user)
+
+
+async def unverified_caller_revoked(request: Request) -> bool:
+    """Whether the request's caller came from the submit cache and its token holds no user now."""
+    token_hash = getattr(request.state, UNVERIFIED_CALLER, None)
+    if token_hash is None:
+        return False
+    return not await run_in_threadpool(_token_holder_exists, request.app.state.db, token_hash)
+
+
+def _token_holder_exists(db: Database, token_hash: str) -> bool:
+    with db.read() as session:
+        return user_for_token_hash(session, token_hash) is not None
+
+
 async def admin_user(user: Annotated[User, Depends(current_user)]) -> User:
     if not user.is_admin:
         raise Forbidden("admin only")
@@ -176,6 +216,7 @@ UserDep = Annotated[User, Depends(current_user)]
 AdminDep = Annotated[User, Depends(admin_user)]
 JobDep = Annotated[Job, Depends(caller_job)]
 WebhookDep = Annotated[Webhook, Depends(caller_webhook)]
+SubmitterDep = Annotated[Submitter, Depends(submitter)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 DbDep = Annotated[Database, Depends(get_db)]
 StorageDep = Annotated[Storage, Depends(get_storage)]

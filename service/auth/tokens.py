@@ -11,14 +11,17 @@ import hashlib
 import hmac
 import os
 import secrets
+from typing import TYPE_CHECKING
 
-from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy.orm import Session
 
 from service.config import Settings
 from service.errors import Unauthorized
 from service.models import User
 from service.users import repository as users_repo
+
+if TYPE_CHECKING:  # a type only: the job service imports this module without FastAPI
+    from fastapi.security import HTTPAuthorizationCredentials
 
 ADMIN_NAME = "admin"
 MAX_TOKEN_CHARS = 512
@@ -69,7 +72,10 @@ def ensure_admin(session: Session, settings: Settings) -> None:
 
 
 def user_for_token(session: Session, token: str) -> User | None:
-    token_hash = hash_token(token)
+    return user_for_token_hash(session, hash_token(token))
+
+
+def user_for_token_hash(session: Session, token_hash: str) -> User | None:
     user = users_repo.by_token_hash(session, token_hash)
     if user is None or user.token_hash is None or not tokens_match(user.token_hash, token_hash):
         return None

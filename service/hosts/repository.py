@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 
-from sqlalchemy import Row, func, select, update
+from sqlalchemy import Integer, Row, bindparam, func, select, update
 from sqlalchemy.orm import Session
 
-from service.models import GpuAllocation, Job, NodeRun, Worker
+from service.models import DataVersion, GpuAllocation, Job, NodeRun, Worker
 from service.states import JobState, WorkerState
 
 
@@ -87,6 +87,35 @@ def accelerators(session: Session) -> set[str]:
 def gpu_counts(session: Session) -> Sequence[int]:
     """Each registered host's number of GPUs."""
     return session.execute(select(Worker.gpus)).scalars().all()
+
+
+# -- the capacity a job is checked against, and its version (service/models/workers.py) ---------
+
+HOSTS_VERSION = "hosts"
+_CAPACITY_VERSION = select(DataVersion.version).where(DataVersion.name == HOSTS_VERSION)
+# A write's guard: the hosts are still those of the version bound as `hosts_version`.
+CAPACITY_UNCHANGED = _CAPACITY_VERSION.scalar_subquery() == bindparam("hosts_version", type_=Integer)
+
+
+def capacity_version(session: Session) -> int | None:
+    """None when the row is missing: then no copy of the capacity can be checked, nor kept."""
+    return session.execute(_CAPACITY_VERSION).scalar_one_or_none()
+
+
+def capacity(session: Session) -> Sequence[Row[int, str]]:
+    """(gpus, accelerator) of every registered host."""
+    return session.execute(select(Worker.gpus, Worker.accelerator)).all()
+
+
+def bump_capacity_version(session: Session) -> None:
+    """In the transaction that registers a host or changes its GPUs or accelerator: every copy
+    of the capacity taken before it fails its guard from this commit on."""
+    session.execute(
+        update(DataVersion)
+        .where(DataVersion.name == HOSTS_VERSION)
+        .values(version=DataVersion.version + 1)
+        .execution_options(synchronize_session=False)
+    )
 
 
 # Three columns of each host, not whole rows: with a thousand hosts the reaper runs every

@@ -13,6 +13,7 @@ from typing import Any, cast
 from sqlalchemy import CursorResult, update
 from sqlalchemy.orm import Session
 
+from service.hosts.repository import bump_capacity_version
 from service.models import Worker
 from service.states import WorkerState, worker_may_move
 
@@ -37,11 +38,13 @@ def upsert_worker(
     open_to_all: bool = True,
 ) -> None:
     worker = session.get(Worker, name, with_for_update=True)
+    if worker is not None and not worker_may_move(worker.state, WorkerState.ONLINE):
+        raise ValueError(f"worker {name} cannot go from {worker.state} to online")
+    if worker is None or (worker.gpus, worker.accelerator) != (gpus, accelerator):
+        bump_capacity_version(session)  # what a job is checked against changed (`POST /v1/jobs`)
     if worker is None:
         worker = Worker(name=name, started_at=now)
         session.add(worker)
-    elif not worker_may_move(worker.state, WorkerState.ONLINE):
-        raise ValueError(f"worker {name} cannot go from {worker.state} to online")
     worker.address, worker.accelerator, worker.gpus = address, accelerator, gpus
     worker.state = WorkerState.ONLINE.value
     worker.session, worker.last_heartbeat, worker.started_at = session_id, now, now

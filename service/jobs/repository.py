@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import functools
 import json
+import typing
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
     Connection,
+    Integer,
     Result,
     Row,
     Select,
+    Table,
     Text,
     and_,
     bindparam,
@@ -27,6 +30,7 @@ from sqlalchemy import (
     text,
     update,
 )
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.models import (
@@ -39,6 +43,7 @@ from service.models import (
     MetricName,
     MetricPoint,
     NodeRun,
+    QueueCount,
     SweepRung,
     User,
 )
@@ -209,6 +214,54 @@ def queue_positions(session: Session, jobs: Sequence[Job]) -> dict[int, int]:
         select(ranked.c.id, ranked.c.position).where(ranked.c.id.in_([j.id for j in queued]))
     )
     return {row.id: int(row.position) for row in rows}
+
+
+# -- queue counts (service/models/jobs.py `QueueCount`) ------------------------------------------
+
+NEW, MOVED = "new", "moved"  # QueueCount.source
+QUEUE_COUNTS = typing.cast(Table, QueueCount.__table__)  # (Core, not the ORM's bulk insert of rows)
+# The jobs queued at `priority` and above as counted, but for the "new" row at `priority`
+# itself: a new job's position is that row as its own bump returned it, plus these.
+QUEUED_ABOVE_BUT_NEW = select(func.coalesce(func.sum(QueueCount.jobs), 0)).where(
+    QueueCount.priority >= bindparam("priority", type_=Integer),
+    or_(QueueCount.priority != bindparam("priority", type_=Integer), QueueCount.source != NEW),
+)
+
+
+def queued_above_but_new(conn: Connection, priority: int) -> int:
+    return int(conn.execute(QUEUED_ABOVE_BUT_NEW, {"priority": priority}).scalar_one())
+
+
+def add_queue_counts(session: Session, deltas: dict[tuple[str, int], int]) -> None:
+    """Add each {(source, priority): delta} to its row (made when missing), in one statement,
+    in one order for every transaction: every "new" row before any "moved" one, each kind by
+    priority. Two transactions that both hold rows of the other's never wait crosswise."""
+    rows = [
+        {"priority": priority, "source": source, "jobs": delta}
+        for (source, priority), delta in sorted(deltas.items(), key=lambda d: (d[0][0] != NEW, d[0][1]))
+        if delta
+    ]
+    if rows:
+        session.execute(_upsert_counts(session.get_bind().dialect.name), rows)
+
+
+@functools.cache
+def _upsert_counts(dialect: str) -> Any:
+    """`INSERT … ON CONFLICT DO UPDATE SET jobs = jobs + excluded.jobs`, the same on both
+    databases but built by each one's own `insert`."""
+    counts = QUEUE_COUNTS.c
+    stmt = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(QUEUE_COUNTS)
+    return stmt.on_conflict_do_update(
+        index_elements=[counts.priority, counts.source], set_={"jobs": counts.jobs + stmt.excluded.jobs}
+    )
+
+
+def queue_counts(session: Session) -> dict[int, int]:
+    """{priority: queued jobs} as counted (what tests compare with the queue itself)."""
+    rows = session.execute(
+        select(QueueCount.priority, func.sum(QueueCount.jobs)).group_by(QueueCount.priority)
+    ).all()
+    return {int(priority): int(n) for priority, n in rows if n}
 
 
 def events_after(session: Session, job_id: int, after: int, limit: int) -> Sequence[JobEvent]:
@@ -597,9 +650,15 @@ def set_pending_reasons(session: Session, changed: list[dict[str, Any]]) -> None
 
 def stopping_jobs(session: Session) -> list[Job]:
     """Scheduled or running jobs whose attempt is being stopped: the reaper looks at whether
-    their nodes have all ended."""
-    query = select(Job).where(
-        Job.preempting_since.is_not(None), Job.state.in_((JobState.SCHEDULED, JobState.RUNNING))
+    their nodes have all ended. Locked and read afresh (a job another transaction holds is left
+    to the next pass): the last node's end may settle the job in an API process meanwhile, and
+    the reaper settling its stale copy a second time queued it twice (two `state` events, and
+    the queue's count, `service.jobs.queue_counts`, one too high for good)."""
+    query = (
+        select(Job)
+        .where(Job.preempting_since.is_not(None), Job.state.in_((JobState.SCHEDULED, JobState.RUNNING)))
+        .with_for_update(skip_locked=True)
+        .execution_options(populate_existing=True)
     )
     return list(session.execute(query).scalars())
 

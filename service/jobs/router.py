@@ -15,6 +15,7 @@ from service.api.deps import (
     SessionDep,
     SettingsDep,
     StorageDep,
+    SubmitterDep,
     UserDep,
     current_user,
     int_or_blank,
@@ -89,18 +90,21 @@ def submit_job(
     session: SessionDep,
     settings: SettingsDep,
     storage: StorageDep,
-    user: UserDep,
+    submitter: SubmitterDep,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
 ) -> Response:
     """The body is the `JobOut` serialised once, as `GET /v1/jobs/{id}` serves it (returned
     as a model, FastAPI would dump it, validate it again and encode the result)."""
-    job, created = service.submit_job(session, settings, storage, user, spec, idempotency_key)
-    if created:
+    cache = request.app.state.submit_cache
+    done = service.submit(session, settings, storage, submitter, cache, spec, idempotency_key)
+    job = done.job
+    if done.created:
         background.add_task(wake_scheduler, request)  # runs after the commit and the response
-    view = service.job_views(session, [job], viewer=user, created=created)[0]
+    positions = None if done.position is None else {job.id: done.position}
+    view = service.job_views(session, [job], viewer=done.owner, created=done.created, positions=positions)[0]
     return Response(
         view.model_dump_json(),
-        status_code=201 if created else 200,
+        status_code=201 if done.created else 200,
         media_type="application/json",
         headers={"Location": f"/v1/jobs/{job.id}"},
     )

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from service.checkpoints import repository as checkpoints_repo
 from service.config import Settings
-from service.errors import InvalidSpec, NotFound
+from service.errors import InvalidSpec, NotFound, TorchJobsError
 from service.jobs import preemption
 from service.jobs import repository as repo
 from service.jobs.dependencies import add_dependencies, fail_dependants
@@ -38,7 +38,16 @@ from service.jobs.states import (
     QUEUED,
     TERMINAL,
     create_job,
+    create_job_if,
     transition_job,
+)
+from service.jobs.submit_cache import (
+    WRITE_GUARD,
+    Caller,
+    SubmitCache,
+    Submitter,
+    fresh_user,
+    read_cluster,
 )
 from service.jobs.sweeps import (
     SWEEP,
@@ -64,6 +73,77 @@ class Viewer(Protocol):
 
     @property
     def name(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A submit's outcome: the job; whether this request created it (not an Idempotency-Key's
+    first job); its queue position when the write answered it (None: ask the view); and the
+    caller as checked, for the view's owner name."""
+
+    job: Job
+    created: bool
+    position: int | None
+    owner: Viewer
+
+
+def submit(
+    session: Session,
+    settings: Settings,
+    storage: Storage,
+    submitter: Submitter,
+    cache: SubmitCache,
+    spec: JobSpec,
+    idempotency_key: str | None,
+) -> Submitted:
+    """`submit_job` for `POST /v1/jobs`: a plain job (no Idempotency-Key, no sweep, no
+    `depends_on`: its dependency rows wait on the scheduler's row locks, and the queue count's
+    row lock would be held all that time, stalling every submit at its priority) is checked
+    against the process's copies of its caller and of the cluster and written by one guarded
+    statement (`_submit_guarded`); anything else, or a guard that failed, or a refusal made
+    from a copy, takes the path that reads the tables, as before the copies existed."""
+    guarded = idempotency_key is None and spec.sweep is None and not spec.depends_on
+    if guarded:
+        done = _submit_guarded(session, settings, storage, submitter, cache, spec)
+        if done is not None:
+            return done
+    # (after a failed guard the row read in this request may be what failed it: read again)
+    user = (submitter.user if not guarded else None) or fresh_user(session, submitter.caller.token_hash)
+    cache.store_caller(Caller.of(user, submitter.caller.token_hash))
+    job, created = submit_job(session, settings, storage, user, spec, idempotency_key)
+    return Submitted(job, created, None, user)
+
+
+def _submit_guarded(
+    session: Session,
+    settings: Settings,
+    storage: Storage,
+    submitter: Submitter,
+    cache: SubmitCache,
+    spec: JobSpec,
+) -> Submitted | None:
+    """None, having written nothing, when a copy may have decided the outcome: a refusal
+    made from a copy (the tables may say otherwise), or a guard that found a copy stale."""
+    cluster = cache.cluster
+    read_now = cluster is None
+    if cluster is None and (cluster := read_cluster(session)) is not None:
+        cache.store_cluster(cluster)
+    if cluster is None:
+        return None
+    user = submitter.checked_user()
+    try:
+        resume_checkpoint_id = validate_in_context(session, settings, storage, spec, user, cluster)
+    except TorchJobsError:
+        if submitter.verified and read_now:
+            raise  # both read in this transaction: the tables' own answer
+        return None
+    job = new_job(session, user, spec, resume_checkpoint_id, None)
+    params = {**submitter.caller.guard_params(), "hosts_version": cluster.version}
+    position = create_job_if(session, job, WRITE_GUARD, params)
+    if position is None:
+        cache.forget(submitter.caller.token_hash, cluster)
+        return None
+    return Submitted(job, True, position, user)
 
 
 def submit_job(
@@ -284,13 +364,19 @@ def sweep_out(job: Job) -> SweepOut | None:
 
 
 def job_views(
-    session: Session, jobs: Sequence[Job], viewer: Viewer | None = None, created: bool = False
+    session: Session,
+    jobs: Sequence[Job],
+    viewer: Viewer | None = None,
+    created: bool = False,
+    positions: dict[int, int] | None = None,
 ) -> list[JobOut]:
     """Assemble Job responses with one query per related table, not one per job.
 
     Tables whose answer is known are not asked: the owner's name when every job is the
-    viewer's own, node runs when every job is queued (a queued job shows no assignments), and
-    attempts and checkpoints of jobs `created` in this very transaction (none can exist yet)."""
+    viewer's own, node runs when every job is queued (a queued job shows no assignments),
+    attempts and checkpoints of jobs `created` in this very transaction (none can exist yet),
+    and the queue positions when `positions` holds every queued job's (the submit's write
+    answered its own)."""
     if not jobs:
         return []
     ids = {j.id for j in jobs}
@@ -308,7 +394,10 @@ def job_views(
         out.gpu_seconds = round(attempt_gpu_seconds(att, now), 3)
         attempts.setdefault(att.job_id, []).append(out)
     latest = repo.latest_checkpoints(session, ids) if not created else {}
-    positions = repo.queue_positions(session, jobs)
+    queued = {j.id for j in jobs if j.state == QUEUED}  # (a new job may have failed already)
+    if positions is None or not queued <= positions.keys():
+        positions = repo.queue_positions(session, jobs)
+    positions = {job_id: n for job_id, n in positions.items() if job_id in queued}
     return [
         JobOut(
             id=j.id,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
 
@@ -17,6 +18,9 @@ from service.jobs.dependencies import check_dependencies, resumes_from_dependenc
 from service.jobs.spec import JobSpec, ScriptEntrypoint
 from service.models import User
 from service.storage import Storage
+
+if TYPE_CHECKING:
+    from service.jobs.submit_cache import Cluster
 
 
 def resolve_script(path: str, roots: list[Path]) -> Path:
@@ -63,21 +67,23 @@ def check_owner_limits(spec: JobSpec, user: User) -> None:
         )
 
 
-def check_amp(session: Session, spec: JobSpec) -> None:
-    """fp16 needs CUDA (its GradScaler has no CPU form): refuse it where no worker has CUDA."""
+def check_amp(session: Session, spec: JobSpec, cluster: Cluster | None = None) -> None:
+    """fp16 needs CUDA (its GradScaler has no CPU form): refuse it where no worker has CUDA.
+    The hosts' accelerators are read only for such a job, unless `cluster` holds them."""
     hyper = spec.hyperparameters
     if hyper is None or hyper.amp != "fp16":
         return
-    kinds = hosts_repo.accelerators(session)
+    kinds = cluster.accelerators if cluster is not None else hosts_repo.accelerators(session)
     if kinds and "cuda" not in kinds:
         raise InvalidSpec(
             ("hyperparameters", "amp"), "fp16 needs a CUDA worker and none is registered; use bf16"
         )
 
 
-def check_fits_cluster(session: Session, spec: JobSpec) -> None:
-    """Refuse what no registered worker could ever hold; with no worker known yet, let it queue."""
-    sizes = sorted(hosts_repo.gpu_counts(session), reverse=True)
+def check_fits_cluster(session: Session, spec: JobSpec, cluster: Cluster | None = None) -> None:
+    """Refuse what no registered worker could ever hold; with no worker known yet, let it queue.
+    The hosts are read, unless `cluster` holds them (a copy the job's INSERT checks)."""
+    sizes = cluster.sizes if cluster is not None else sorted(hosts_repo.gpu_counts(session), reverse=True)
     if not sizes:
         return
     if sizes[0] < spec.gpus_per_node:
@@ -149,14 +155,21 @@ def check_resume_kind(spec: JobSpec, file: ResumeFile, field: str) -> None:
 
 
 def validate_in_context(
-    session: Session, settings: Settings, storage: Storage, spec: JobSpec, user: User
+    session: Session,
+    settings: Settings,
+    storage: Storage,
+    spec: JobSpec,
+    user: User,
+    cluster: Cluster | None = None,
 ) -> int | None:
+    """The checks in their order (the first failure is the answer); `cluster`: the hosts as
+    the caller holds them, or None to read them."""
     if spec.code is not None:
         check_code(session, spec, user)
     elif isinstance(spec.entrypoint, ScriptEntrypoint):
         resolve_script(spec.entrypoint.path, settings.script_root_paths)
-    check_fits_cluster(session, spec)
+    check_fits_cluster(session, spec, cluster)
     check_owner_limits(spec, user)
     check_dependencies(session, spec, user)
-    check_amp(session, spec)
+    check_amp(session, spec, cluster)
     return resolve_resume(session, settings, storage, spec, user)

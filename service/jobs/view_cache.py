@@ -29,6 +29,9 @@ from typing import Any, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
+# session.info: the transaction wrote something; its commit clears the cache (view_feed.py). Set
+# by the commit hooks for ORM writes, and by writers that go through the connection directly.
+WROTE = "view_cache_wrote"
 # (the owner whose jobs a page lists, None for every owner's; the query: `ListQuery`)
 PageKey = tuple[int | None, Hashable]
 Page = tuple[list[int], str | None]  # a list page's job ids, and the next page's cursor

@@ -26,7 +26,7 @@ from sqlalchemy import TextClause, event
 from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker
 
 from service.db import Database
-from service.jobs.view_cache import ViewCache
+from service.jobs.view_cache import WROTE, ViewCache
 
 log = logging.getLogger("torchjobs.view_cache")
 
@@ -40,7 +40,6 @@ TRIGGERS = (
     "torchjobs_view_checkpoints",
     "torchjobs_view_users",
 )
-WROTE = "view_cache_wrote"
 RECONNECT_MAX_S = 5.0
 # Dead-peer detection for the LISTEN connection (libpq options): a host that vanishes
 # without closing the socket is noticed in about 11 s, and entries expire meanwhile anyway.

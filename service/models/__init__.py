@@ -3,11 +3,20 @@
 from service.models.base import Base, UTCDateTime, utcnow
 from service.models.checkpoints import Checkpoint, CheckpointFile, CheckpointLook, CheckpointPart
 from service.models.code import CodeArchive
-from service.models.jobs import GpuAllocation, Job, JobAttempt, JobDependency, JobEvent, LogChunk, NodeRun
+from service.models.jobs import (
+    GpuAllocation,
+    Job,
+    JobAttempt,
+    JobDependency,
+    JobEvent,
+    LogChunk,
+    NodeRun,
+    QueueCount,
+)
 from service.models.metrics import MetricName, MetricPoint, SweepRung
 from service.models.users import User
 from service.models.webhooks import Webhook, WebhookAttempt, WebhookDelivery
-from service.models.workers import Worker
+from service.models.workers import DataVersion, Worker
 
 __all__ = [
     "Base",
@@ -16,6 +25,7 @@ __all__ = [
     "CheckpointLook",
     "CheckpointPart",
     "CodeArchive",
+    "DataVersion",
     "GpuAllocation",
     "Job",
     "JobAttempt",
@@ -25,6 +35,7 @@ __all__ = [
     "MetricName",
     "MetricPoint",
     "NodeRun",
+    "QueueCount",
     "SweepRung",
     "UTCDateTime",
     "User",

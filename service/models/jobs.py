@@ -101,6 +101,22 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
+class QueueCount(Base):
+    """How many jobs are queued at each priority: a new job's `queue_position` is a sum over a
+    few of these rows, not a count over the queue (which grew PostgreSQL's CPU with the queue).
+
+    Two rows per priority, so that the writers that create jobs and those that move them do
+    not queue on one row lock: `source` "new" counts jobs created queued (`create_job`), "moved"
+    the net of jobs moved back into the queue (+1) and out of it (-1) by `transition_job`, and
+    may be negative. Kept in the transactions that make the moves (service.jobs.states)."""
+
+    __tablename__ = "queue_counts"
+
+    priority: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    source: Mapped[str] = mapped_column(String(8), primary_key=True)
+    jobs: Mapped[int] = mapped_column(Integer)
+
+
 class JobEvent(Base):
     __tablename__ = "job_events"
     __table_args__ = (UniqueConstraint("job_id", "seq"),)

@@ -42,3 +42,15 @@ class Worker(Base):
     # contract §12: an admin's drain (None: none): nothing new is placed here, what runs is
     # stopped as if preempted; "draining" while jobs hold slots here, then "drained"
     draining_since: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class DataVersion(Base):
+    """A number bumped in the transaction that changes some data a process keeps a copy of:
+    a write checked against it (`version = :seen`) fails, rather than acting on a stale copy.
+    `hosts`: the set of registered hosts and their GPU counts and accelerators (bumped by
+    `service.hosts.states.upsert_worker`), which `POST /v1/jobs` checks a job against."""
+
+    __tablename__ = "data_versions"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, default=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import Row, bindparam, select
+from sqlalchemy import Integer, Row, bindparam, exists, select
 from sqlalchemy.orm import Session
 
 from service.models import User
@@ -15,6 +15,18 @@ _USER_BY_TOKEN_HASH = select(User).where(User.token_hash == bindparam("token_has
 
 def by_token_hash(session: Session, token_hash: str) -> User | None:
     return session.execute(_USER_BY_TOKEN_HASH, {"token_hash": token_hash}).scalar_one_or_none()
+
+
+# A write's guard (service.jobs.submit_cache): the caller's row still holds the token and every
+# field that a process's copy of it was checked with. Bound as `caller_*` (`caller_guard_params`).
+CALLER_UNCHANGED = exists().where(
+    User.id == bindparam("caller_id", type_=Integer),
+    User.token_hash == bindparam("caller_token_hash"),
+    User.name == bindparam("caller_name"),
+    User.is_admin == bindparam("caller_is_admin"),
+    User.max_priority == bindparam("caller_max_priority", type_=Integer),
+    User.gpu_quota.is_not_distinct_from(bindparam("caller_gpu_quota", type_=Integer)),
+)
 
 
 def by_name(session: Session, name: str) -> User | None:

@@ -12,8 +12,9 @@ Only SQLAlchemy and the models are imported here: the workers load this module.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
-from sqlalchemy import Integer, String, bindparam, insert, literal, or_, select
+from sqlalchemy import CTE, ColumnElement, Insert, Integer, String, bindparam, insert, literal, or_, select
 from sqlalchemy.orm import Session
 
 from service.models import Job, JobEvent, Webhook, WebhookDelivery, utcnow
@@ -34,9 +35,8 @@ _WANTED = select(
     or_(Webhook.all_jobs, Webhook.owner_id == Job.owner_id),
     Webhook.events.contains(literal(",", String) + JobEvent.type + literal(",", String)),
 )
-_ENQUEUE = insert(WebhookDelivery).from_select(
-    ["webhook_id", "job_id", "seq", "status", "attempts", "next_attempt_at", "created_at"], _WANTED
-)
+_DELIVERY_COLUMNS = ["webhook_id", "job_id", "seq", "status", "attempts", "next_attempt_at", "created_at"]
+_ENQUEUE = insert(WebhookDelivery).from_select(_DELIVERY_COLUMNS, _WANTED)
 
 
 def enqueue(session: Session, job_id: int, events: Sequence[JobEvent]) -> None:
@@ -47,6 +47,19 @@ def enqueue(session: Session, job_id: int, events: Sequence[JobEvent]) -> None:
     session.connection().execute(
         _ENQUEUE, {"now": utcnow(), "job_id": job_id, "first": events[0].seq, "last": events[-1].seq}
     )
+
+
+def enqueue_returned(events: CTE, owner_id: ColumnElement[int], now: ColumnElement[datetime]) -> Insert:
+    """`enqueue`'s INSERT … SELECT for events written by the same statement: `events` is the
+    CTE of their INSERT … RETURNING (job_id, seq, type), of a job of `owner_id`. Such rows are
+    not in `job_events` yet for that statement's own reads, so they are joined from the CTE."""
+    wanted = select(
+        Webhook.id, events.c.job_id, events.c.seq, literal(PENDING, String), literal(0, Integer), now, now
+    ).where(
+        or_(Webhook.all_jobs, Webhook.owner_id == owner_id),
+        Webhook.events.contains(literal(",", String) + events.c.type + literal(",", String)),
+    )
+    return insert(WebhookDelivery).from_select(_DELIVERY_COLUMNS, wanted)
 
 
 def events_column(types: Sequence[str]) -> str:

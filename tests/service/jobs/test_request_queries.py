@@ -148,3 +148,23 @@ def test_submit_takes_no_savepoint_without_an_idempotency_key(client: tuple[Test
     assert [r.status_code for r in again] == [201, 200]
     assert again[0].json()["id"] == again[1].json()["id"] != first.json()["id"]
     assert c.get(f"/v1/jobs/{first.json()['id']}", headers=AUTH).json()["state"] == "queued"
+
+
+def test_submit_is_one_statement_once_the_caller_and_the_hosts_are_known(
+    client: tuple[TestClient, Statements],
+) -> None:
+    """The job, its first event, its webhook deliveries and its queue position: one statement
+    (#42; eight round trips before: caller, hosts, job, event, outbox, position, BEGIN, COMMIT).
+    The first submit of a token reads the caller, and the first of the process the hosts."""
+    c, seen = client
+    seen.clear()
+    first = c.post("/v1/jobs", json=SPEC, headers=AUTH)
+    assert first.status_code == 201 and first.json()["queue_position"] == 1
+    # caller, the hosts' version, the hosts, the job
+    assert len(seen.sql) == 6 and seen.count("BEGIN") == seen.count("COMMIT") == 1, seen.sql
+    seen.clear()
+    again = c.post("/v1/jobs", json=SPEC, headers=AUTH)
+    assert again.status_code == 201 and again.json()["queue_position"] == 2
+    assert len(seen.sql) == 3 and seen.count("BEGIN") == seen.count("COMMIT") == 1, seen.sql
+    assert seen.count("WITH") == 1
+    assert c.get(f"/v1/jobs/{again.json()['id']}", headers=AUTH).json()["queue_position"] == 2

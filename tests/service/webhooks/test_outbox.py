@@ -9,11 +9,13 @@ from collections.abc import Sequence
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, true
 
 from service.config import Settings
 from service.db import Database
-from service.jobs.states import append_event, append_events
+from service.jobs.service import new_job
+from service.jobs.spec import JobSpec
+from service.jobs.states import WriteGuard, append_event, append_events, create_job_if
 from service.models import Webhook, WebhookDelivery, utcnow
 from service.webhooks import repository as repo
 from service.webhooks.dispatcher import claim
@@ -92,6 +94,26 @@ def test_each_event_is_queued_for_every_webhook_that_wants_it(db: Database) -> N
         + [(a_other, j, seq, "pending") for seq in (4, 5, 6)]
         + [(admin_all, j, seq, "pending") for seq in (1, 2, 3)]
     )
+
+
+def test_a_job_written_in_one_statement_queues_its_first_event_as_create_job_does(db: Database) -> None:
+    """`create_job_if` (`POST /v1/jobs`: on PostgreSQL the deliveries are a CTE of the job's
+    INSERT) queues the first event for exactly the webhooks `create_job` queues it for."""
+    spec = JobSpec.model_validate({"mode": "single", "entrypoint": {"kind": "builtin", "model": "mlp"}})
+    with db.transaction() as s:
+        alice, bob = make_user(s, "alice"), make_user(s, "bob")
+        admin = make_user(s, "admin", is_admin=True)
+        a_state = add_hook(s, alice.id)
+        add_hook(s, alice.id, ("checkpoint", "progress"))
+        add_hook(s, bob.id)
+        admin_all = add_hook(s, admin.id, ("state",), all_jobs=True)
+        add_hook(s, admin.id, ("state", "progress"))
+        job = new_job(s, alice, spec, None, None)
+        assert create_job_if(s, job, WriteGuard(true()), {}) == 1
+        fast = job.id
+        slow = make_job(s, alice.id).id
+    wanted = [(hook, j, 1, "pending") for hook in (a_state, admin_all) for j in (fast, slow)]
+    assert queued(db) == sorted(wanted)
 
 
 def test_nothing_is_queued_without_a_webhook_nor_for_a_rolled_back_event(db: Database) -> None:
