@@ -120,6 +120,7 @@ def wrk(url: str, *, method: str, body: str | None, token: str | None, seconds: 
         "p99_ms": raw["p99_us"] / 1000,
         "requests": raw["requests"],
         "errors": errors,
+        "error_kinds": {k: raw[k] for k in ("connect", "read", "write", "status", "timeout") if raw[k]},
         "tool": "wrk",
     }
 

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs[side].append(r)
                     print(
                         f"  {side} run {i + 1}: {r['rps']:.0f} req/s p50 {r['p50_ms']:.1f} ms"
-                        f" errors {r['errors']}",
+                        f" errors {r['errors']} {r.get('error_kinds') or ''}",
                         file=sys.stderr,
                         flush=True,
                     )
