@@ -99,9 +99,37 @@ def test_fair_share_gives_freed_gpus_to_the_user_who_holds_fewest(stack: Stack) 
     eves = [stack.submit(single(2), token=eve)["id"] for _ in range(2)]
     done = {j: stack.wait_job(j, timeout=400) for j in running + queued + eves}
     assert all(d["state"] == "succeeded" for d in done.values()), [d["error"] for d in done.values()]
-    assert max(started(done[j]) for j in eves) < min(started(done[j]) for j in queued), {
-        j: done[j]["attempts"][0]["started_at"] for j in queued + eves
-    }
+    # Judged at each placement (its `scheduled` event), with the GPUs each user held then: a
+    # queued job of dana's was never placed while eve waited holding fewer. (Not "every eve job
+    # before every queued dana job": two of dana's jobs ending at once, one started warm and one
+    # cold, left both users holding one GPU, and the tie went to the older job; CI saw that.)
+    spans = {j: (placed(stack, j), finished(done[j])) for j in done}
+    for job in queued:
+        at = spans[job][0]
+        waiting = [e for e in eves if created(done[e]) <= at < spans[e][0]]
+        dana, eve = held(spans, running + queued, at), held(spans, eves, at)
+        assert not (waiting and eve < dana), (job, at, dana, eve, spans)
+    jumped = [e for e in eves if any(created(done[q]) <= spans[e][0] < spans[q][0] for q in queued)]
+    assert jumped, spans  # fair share decided at least once: an eve job went before a waiting dana job
+
+
+def created(job: dict[str, Any]) -> datetime:
+    return datetime.fromisoformat(job["created_at"])
+
+
+def finished(job: dict[str, Any]) -> datetime:
+    return datetime.fromisoformat(job["attempts"][0]["finished_at"])
+
+
+def placed(stack: Stack, job_id: int) -> datetime:
+    """When the scheduler gave the job its GPU: its first `scheduled` state event."""
+    states = [e for e in stack.events(job_id) if e["type"] == "state"]
+    return next(datetime.fromisoformat(e["ts"]) for e in states if e["data"]["state"] == "scheduled")
+
+
+def held(spans: dict[int, tuple[datetime, datetime]], jobs: list[int], at: datetime) -> int:
+    """GPUs (one a job) these jobs held at `at`, placed strictly before it and not yet freed."""
+    return sum(1 for j in jobs if spans[j][0] < at < spans[j][1])
 
 
 def test_gpu_seconds_of_a_cancelled_job_and_the_totals_per_user(stack: Stack) -> None:
