@@ -247,12 +247,22 @@ def add_queue_counts(session: Session, deltas: dict[tuple[str, int], int]) -> No
 
 @functools.cache
 def _upsert_counts(dialect: str) -> Any:
-    """`INSERT … ON CONFLICT DO UPDATE SET jobs = jobs + excluded.jobs`, the same on both
-    databases but built by each one's own `insert`."""
+    """`INSERT … ON CONFLICT DO UPDATE SET jobs = jobs + excluded.jobs`."""
+    stmt = counts_insert(dialect)
+    return adding_on_conflict(stmt, stmt.excluded.jobs)
+
+
+def counts_insert(dialect: str) -> Any:
+    """An INSERT into `queue_counts` by the database's own `insert` (ON CONFLICT is the same SQL
+    on both, built by each dialect's construct)."""
+    return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(QUEUE_COUNTS)
+
+
+def adding_on_conflict(stmt: Any, added: Any) -> Any:
+    """`stmt` that adds `added` to the row's count where the (priority, source) row exists."""
     counts = QUEUE_COUNTS.c
-    stmt = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(QUEUE_COUNTS)
     return stmt.on_conflict_do_update(
-        index_elements=[counts.priority, counts.source], set_={"jobs": counts.jobs + stmt.excluded.jobs}
+        index_elements=[counts.priority, counts.source], set_={"jobs": counts.jobs + added}
     )
 
 

@@ -38,7 +38,6 @@ from sqlalchemy import (
     true,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, make_transient_to_detached
 
 from service.errors import Conflict
@@ -249,17 +248,14 @@ def _default_of(column: Column[Any]) -> Any:
     return default.arg(None) if default.is_callable else default.arg  # type: ignore[arg-type]
 
 
-def _bump_new(insert_of: Any, guard: WriteGuard) -> Any:
+def _bump_new(dialect: str, guard: WriteGuard) -> Any:
     """The "new" count at `:priority` plus one, RETURNING it: a row proposed only where the
     guard holds (nothing at all is written otherwise)."""
     proposed = select(bindparam("priority", type_=Integer), literal(repo.NEW, String), literal(1, Integer))
-    stmt = insert_of(repo.QUEUE_COUNTS).from_select(
+    stmt = repo.counts_insert(dialect).from_select(
         ["priority", "source", "jobs"], proposed.where(guard.clause)
     )
-    counts = repo.QUEUE_COUNTS.c
-    return stmt.on_conflict_do_update(
-        index_elements=[counts.priority, counts.source], set_={"jobs": counts.jobs + 1}
-    ).returning(counts.jobs)
+    return repo.adding_on_conflict(stmt, 1).returning(repo.QUEUE_COUNTS.c.jobs)
 
 
 # A JSON column's None is SQL NULL, as the unit of work leaves a column it was given no value
@@ -275,7 +271,7 @@ _EVENT_DATA = bindparam("event_data", type_=JobEvent.data.type)
 @functools.cache
 def _pg_create(guard: WriteGuard) -> Select[tuple[int, int]]:
     """The job's row selects FROM the bump, so its id is drawn after the count's row lock."""
-    bumped = _bump_new(postgresql.insert, guard).cte("bumped")
+    bumped = _bump_new("postgresql", guard).cte("bumped")
     job = (
         insert(Job)
         .from_select([c.key for c in _JOB_COLUMNS], select(*_JOB_VALUES).select_from(bumped))
@@ -303,7 +299,7 @@ def _pg_create(guard: WriteGuard) -> Select[tuple[int, int]]:
 
 @functools.cache
 def _sqlite_bump(guard: WriteGuard) -> Any:
-    return _bump_new(sqlite.insert, guard)
+    return _bump_new("sqlite", guard)
 
 
 _INSERT_JOB = (
