@@ -21,8 +21,11 @@ COPY pyproject.toml README.md ./
 COPY service ./service
 COPY workers ./workers
 COPY migrations ./migrations
-# Editable, so that `torchjobs db upgrade` finds /app/migrations beside the package.
+# Editable, so that `torchjobs db upgrade` finds /app/migrations beside the package. pip
+# compiles what it installs; our own packages are compiled here, since PYTHONDONTWRITEBYTECODE
+# (above) means no process ever writes their .pyc and each would compile them from source.
 RUN pip install -e . \
+ && python -m compileall -q service workers migrations \
  && useradd --create-home --uid 10001 torchjobs \
  && mkdir -p /data /checkpoints /scripts \
  && chown torchjobs:torchjobs /data /checkpoints /scripts
