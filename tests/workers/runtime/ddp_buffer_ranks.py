@@ -1,5 +1,5 @@
 """One rank of the DDP buffer test (`test_runtime_ddp_knobs.py`), run as its own process:
-`python -m tests.workers.runtime.ddp_buffer_ranks RANK PORT OUT_DIR`.
+`python -m tests.workers.runtime.ddp_buffer_ranks RANK OUT_DIR`.
 
 A plain subprocess per rank rather than `torch.multiprocessing`: the test holds each with a
 deadline and, if one hangs, kills both and shows what they printed (an earlier form of this
@@ -7,11 +7,17 @@ test, spawned from inside pytest, hung once in CI with nothing to show). Gloo is
 loopback: the suite makes and removes network interfaces while it runs, and gloo otherwise
 picks the interface its host name resolves to. The rank leaves the group and exits as the
 builtin trainer does (`teardown_distributed`, `run_then_exit`): a plain
-`destroy_process_group()` here once hung rank 1 at exit (../../../workers/runtime/process_groups.py)."""
+`destroy_process_group()` here once hung rank 1 at exit (../../../workers/runtime/process_groups.py).
+
+Rank 0's store takes a port the kernel gives it and writes it to OUT_DIR/port for rank 1: a
+port chosen by the test and released before rank 0 bound it was once not reachable by either
+rank in CI (both timed out connecting to it, 2026-12-07), and nothing can take this one."""
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -50,15 +56,28 @@ class Drifting(nn.Module):
         return self.spare(out) if self.calls % 2 == 0 else out
 
 
-def run(rank: int, port: int, out_dir: Path) -> None:
+TIMEOUT = timedelta(seconds=60)
+
+
+def rendezvous(rank: int, out_dir: Path) -> dist.TCPStore:
+    published = out_dir / "port"
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+        (out_dir / "port.part").write_text(str(store.port))
+        os.replace(out_dir / "port.part", published)  # whole or absent for rank 1
+        return store
+    deadline = time.monotonic() + TIMEOUT.total_seconds()
+    while not published.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no port in {published}")
+        time.sleep(0.05)
+    return dist.TCPStore("127.0.0.1", int(published.read_text()), WORLD, is_master=False, timeout=TIMEOUT)
+
+
+def run(rank: int, out_dir: Path) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
+    store = rendezvous(rank, out_dir)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
     try:
         plan = RunPlan(
             mode="ddp", accelerator="cpu", device="cpu", backend="gloo",
@@ -81,4 +100,4 @@ def run(rank: int, port: int, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    run_then_exit(lambda: run(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])))
+    run_then_exit(lambda: run(int(sys.argv[1]), Path(sys.argv[2])))

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +17,6 @@ from workers.runtime.trainer.config import Hyperparameters
 
 ROOT = Path(__file__).resolve().parents[3]
 DEADLINE_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stacks(pid: int) -> str:
@@ -41,11 +34,10 @@ def _stacks(pid: int) -> str:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
     folder = tmp_path_factory.mktemp("ddp-knobs")
-    port = _free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.workers.runtime.ddp_buffer_ranks", str(r), str(port), str(folder)],
+            [sys.executable, "-m", "tests.workers.runtime.ddp_buffer_ranks", str(r), str(folder)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
