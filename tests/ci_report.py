@@ -2,12 +2,12 @@
 whole CI run (both tiers of `.ci/test`) passes 40 minutes: CI's budget is 90, the team's bar 30,
 and a suite that creeps up is seen in the run that made it creep, not a week later.
 
-Each run also writes its time per module to `test-artifacts/module-seconds-<tier>.json`.
-Copied into `tests/module_seconds.json`, it would order the modules longest first
-(tests/conftest.py). It is not there: while xdist's groups are not honoured (see conftest's
-`xdist_group_of`), that order put the same heavy module's tests on both processes at once,
-each building the module's stack, and the marked tier ran far slower (36 % in 32 min against
-a whole tier in 39). Without the file, modules are ordered by their test count."""
+Each run also writes its time per module to `test-artifacts/module-seconds-<tier>.json`;
+both tiers' files, merged, are `tests/module_seconds.json`, which orders the modules longest
+first (tests/conftest.py). It was taken out while xdist's groups were not honoured (that order
+then put the same heavy module's tests on both processes at once, each building the module's
+stack); `ModuleGroupScheduling` keeps a module on one process, and the file is back, from the
+CI run of 2026-12-07 (AMD EPYC, 2 cores). Refresh it when modules are added or grow."""
 
 from __future__ import annotations
 
