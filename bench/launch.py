@@ -58,6 +58,7 @@ from bench.common import (
     write_result,
 )
 from service.testing import harness
+from workers.launcher import lifeline
 
 BASE_HYPER = {
     "batch_size": 64,
@@ -176,8 +177,14 @@ def run_bare(
         argv, env = launcher(argv, env, where)
     with open(where / "torchrun.log", "wb") as log:
         t0 = time.time()
-        proc = subprocess.Popen(
-            argv, env=env, cwd=where, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        proc = subprocess.Popen(  # a sandbox (`launcher`) refuses to start without its lifeline
+            argv,
+            env=env,
+            cwd=where,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=lifeline.pass_fds() if launcher is not None else (),
         )
         try:
             rc = proc.wait(timeout=timeout)
