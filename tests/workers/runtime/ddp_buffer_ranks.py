@@ -9,15 +9,14 @@ picks the interface its host name resolves to. The rank leaves the group and exi
 builtin trainer does (`teardown_distributed`, `run_then_exit`): a plain
 `destroy_process_group()` here once hung rank 1 at exit (../../../workers/runtime/process_groups.py).
 
-Rank 0's store takes a port the kernel gives it and writes it to OUT_DIR/port for rank 1: a
-port chosen by the test and released before rank 0 bound it was once not reachable by either
-rank in CI (both timed out connecting to it, 2026-12-07), and nothing can take this one."""
+The ranks meet through torch's file store in OUT_DIR, not a TCP store on a port the test
+chose: such a port, released before rank 0 bound it, was once reachable by neither rank in CI
+(both timed out connecting to it, 2026-12-07). Gloo's own connections take ports the kernel
+gives them."""
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,28 +55,15 @@ class Drifting(nn.Module):
         return self.spare(out) if self.calls % 2 == 0 else out
 
 
-TIMEOUT = timedelta(seconds=60)
-
-
-def rendezvous(rank: int, out_dir: Path) -> dist.TCPStore:
-    published = out_dir / "port"
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
-        (out_dir / "port.part").write_text(str(store.port))
-        os.replace(out_dir / "port.part", published)  # whole or absent for rank 1
-        return store
-    deadline = time.monotonic() + TIMEOUT.total_seconds()
-    while not published.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank 0 published no port in {published}")
-        time.sleep(0.05)
-    return dist.TCPStore("127.0.0.1", int(published.read_text()), WORLD, is_master=False, timeout=TIMEOUT)
-
-
 def run(rank: int, out_dir: Path) -> None:
     torch.set_num_threads(1)
-    store = rendezvous(rank, out_dir)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=TIMEOUT)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir / 'store'}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),
+    )
     try:
         plan = RunPlan(
             mode="ddp", accelerator="cpu", device="cpu", backend="gloo",
