@@ -50,6 +50,8 @@ class Settings(BaseSettings):
     starvation_s: float = 300.0
     # contract §12: an elastic job grows at most once this often (a lost node resizes at once)
     resize_interval_s: float = Field(300.0, ge=0)
+    # the queue's counts (queue positions) checked against the queue itself this often (0: never)
+    queue_recount_s: float = Field(600.0, ge=0)
     cancel_grace_s: float = 10.0
     rendezvous_timeout_s: float = 120.0
     # a node still running this long after every other node of its attempt ended is stalled

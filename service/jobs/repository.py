@@ -274,6 +274,28 @@ def queue_counts(session: Session) -> dict[int, int]:
     return {int(priority): int(n) for priority, n in rows if n}
 
 
+def lock_queue_counts(session: Session) -> dict[int, int]:
+    """{priority: counted jobs}, every count row locked until the transaction ends, in the
+    order every writer takes them (`add_queue_counts`): a recount sees no move half made."""
+    rows = session.execute(
+        select(QueueCount.priority, QueueCount.source, QueueCount.jobs)
+        .order_by(QueueCount.source != NEW, QueueCount.priority)
+        .with_for_update()
+    ).all()
+    counted: dict[int, int] = {}
+    for priority, _source, jobs in rows:
+        counted[int(priority)] = counted.get(int(priority), 0) + int(jobs)
+    return counted
+
+
+def queued_by_priority(session: Session) -> dict[int, int]:
+    """{priority: jobs queued}, counted over the queue itself (the recount's truth)."""
+    rows = session.execute(
+        select(Job.priority, func.count()).where(Job.state == JobState.QUEUED.value).group_by(Job.priority)
+    ).all()
+    return {int(priority): int(n) for priority, n in rows}
+
+
 def events_after(session: Session, job_id: int, after: int, limit: int) -> Sequence[JobEvent]:
     return (
         session.execute(

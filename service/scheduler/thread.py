@@ -17,6 +17,7 @@ from sqlalchemy.exc import OperationalError
 from service.config import Settings
 from service.db import Database
 from service.jobs import repository as jobs_repo
+from service.jobs.queue_counts import recount_queue
 from service.jobs.states import CANCELLING, QUEUED
 from service.scheduler.outages import DatabaseOutages
 from service.scheduler.placement_pass import Dispatcher, ResendThrottle, Room, run_pass
@@ -40,6 +41,7 @@ class SchedulerThread(threading.Thread):
         self._stopping = threading.Event()
         self.room = Room()
         self.observe_pass: Callable[[float], None] = lambda _seconds: None  # the app's histogram
+        self._recounted_at = time.monotonic()
 
     def wake(self) -> None:
         self._wake.set()
@@ -68,6 +70,7 @@ class SchedulerThread(threading.Thread):
                 self.observe_pass(took)
                 if not has_waiting_work(self.db):
                     pause = max(pause, self.settings.scheduler_idle_interval_s)
+                self._recount_when_due()
             except OperationalError as exc:  # the database away (has_waiting_work; run_pass catches its own)
                 self.outages.unreachable()
                 log.warning("scheduler: database unreachable (%s)", exc.__class__.__name__)
@@ -80,6 +83,18 @@ class SchedulerThread(threading.Thread):
             self._stopping.wait(min(REST_PER_PASS * took, MAX_REST_S))
             self._wake.wait(pause)
             self._wake.clear()
+
+    def _recount_when_due(self) -> None:
+        """The queue's counts checked against the queue now and then: positions stay right
+        even after a write that bypassed the gate (service.jobs.queue_counts.recount_queue)."""
+        every = self.settings.queue_recount_s
+        if not every or time.monotonic() - self._recounted_at < every:
+            return
+        self._recounted_at = time.monotonic()
+        with self.db.transaction() as session:
+            corrections = recount_queue(session)
+        if corrections:
+            log.warning("queue counts had drifted from the queue, corrected: %s", corrections)
 
 
 def has_waiting_work(db: Database) -> bool:
