@@ -262,12 +262,8 @@ def _spawn(node: RunningNode, local_rank: int, argv: list[str], tty: bool) -> St
     try:
         workdir = plan.env.get("TORCHJOBS_WORKDIR")  # as the ranks see it: their working directory
         if plan.sandboxed:
-            if plan.isolation.method != "bwrap-setuid":
-                raise Refused(
-                    "exec is not available on this worker: its sandbox runs in a user namespace "
-                    "(a worker that is not root); see docs/security.md"
-                )
-            ns_fds, root_fd, uid, gid = _open_rank(pid, node)
+            userns = plan.isolation.method == "bwrap-userns"
+            ns_fds, root_fd, uid, gid = _open_rank(pid, node, userns)
             held += [*ns_fds.values(), root_fd]
             inner = exec_command.entry_argv(
                 exec_command.python(),
@@ -278,7 +274,10 @@ def _spawn(node: RunningNode, local_rank: int, argv: list[str], tty: bool) -> St
                 filtered=False,  # installed before the uid drop (exec_command.PREFILTER)
             )
             ctl = read_ctl if tty else None
-            full = exec_command.sandboxed_argv(ns_fds, root_fd, uid, gid, inner, control_fd=ctl)
+            if userns:
+                full = exec_command.userns_argv(ns_fds, root_fd, inner, control_fd=ctl)
+            else:
+                full = exec_command.sandboxed_argv(ns_fds, root_fd, uid, gid, inner, control_fd=ctl)
             work_dir: str | None = None
             owner: tuple[str | None, int | None] = (node.namespace, uid)
         else:
@@ -318,10 +317,15 @@ def _spawn(node: RunningNode, local_rank: int, argv: list[str], tty: bool) -> St
     )
 
 
-def _open_rank(pid: int, node: RunningNode) -> tuple[dict[str, int], int, int, int]:
+def _open_rank(pid: int, node: RunningNode, userns: bool = False) -> tuple[dict[str, int], int, int, int]:
     """Descriptors on the rank's namespaces and root, from its /proc folder opened once (a
     /proc/PID descriptor refuses to serve another process that later takes that PID), checked
-    to be of the node's PID namespace; and the rank's uid and gid, which must be the node's."""
+    to be of the node's PID namespace; and the rank's uid and gid, which must be the node's.
+
+    `userns` (a non-root worker's sandbox): the rank is this worker's own uid, and its user
+    namespace is opened too; a namespace the rank shares with the worker (a multi-node job's
+    network) is left out, since joining one's own from inside the job's user namespace is
+    refused by the kernel."""
     try:
         dirfd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
     except OSError as exc:
@@ -331,12 +335,8 @@ def _open_rank(pid: int, node: RunningNode) -> tuple[dict[str, int], int, int, i
         if os.readlink("ns/pid", dir_fd=dirfd) != node.namespace:
             raise Refused("the rank ended meanwhile")
         uid, gid = _ids(dirfd)
-        owner = node.plan.owner
-        if uid == 0 or (owner is not None and uid != _node_uid(node)):
-            raise Refused("the rank does not run as the node's uid")
-        for name in exec_command.NAMESPACES:
-            with contextlib.suppress(FileNotFoundError):
-                fds[name] = os.open(f"ns/{name}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
+        _check_uid(node, uid, userns)
+        fds = _open_namespaces(dirfd, userns)
         root = os.open("root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dirfd)
         if os.readlink("ns/pid", dir_fd=dirfd) != node.namespace:  # still that process
             os.close(root)
@@ -352,6 +352,39 @@ def _open_rank(pid: int, node: RunningNode) -> tuple[dict[str, int], int, int, i
     finally:
         os.close(dirfd)
     return fds, root, uid, gid
+
+
+def _check_uid(node: RunningNode, uid: int, userns: bool) -> None:
+    """The rank is the node's uid: this worker's own in a user namespace, else never root."""
+    if userns:
+        if uid != os.geteuid():
+            raise Refused("the rank does not run as the node's uid")
+    elif uid == 0 or (node.plan.owner is not None and uid != _node_uid(node)):
+        raise Refused("the rank does not run as the node's uid")
+
+
+def _open_namespaces(dirfd: int, userns: bool) -> dict[str, int]:
+    """Descriptors on the rank's namespaces (its user namespace first, in a user namespace's
+    sandbox, and none that is this worker's own there). Closed again when one fails."""
+    fds: dict[str, int] = {}
+    try:
+        for name in (("user",) if userns else ()) + exec_command.NAMESPACES:
+            if userns and name != "user" and _same_as_mine(dirfd, name):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                fds[name] = os.open(f"ns/{name}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
+    except OSError:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    return fds
+
+
+def _same_as_mine(dirfd: int, name: str) -> bool:
+    try:
+        return os.readlink(f"ns/{name}", dir_fd=dirfd) == os.readlink(f"/proc/self/ns/{name}")
+    except OSError:
+        return False
 
 
 def _node_uid(node: RunningNode) -> int | None:

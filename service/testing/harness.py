@@ -158,6 +158,7 @@ class Stack:
     embedded: bool
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     server_args: tuple[str, ...] = ()  # after `server --port N` (`--workers 2`)
+    run_as: tuple[str, ...] = ()  # before every command of the stack (`as_user`)
 
     @property
     def url(self) -> str:
@@ -175,7 +176,7 @@ class Stack:
     ) -> None:
         with open(self.home / f"{key}.log", "ab") as log:
             self.procs[key] = subprocess.Popen(
-                [*(prefix or []), *torchjobs_cmd(*args)],
+                [*(prefix or []), *self.run_as, *torchjobs_cmd(*args)],
                 env={**self.env, **(extra_env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -338,9 +339,33 @@ def _master_ports_of_this_test_process() -> dict[str, str]:
     return {"TORCHJOBS_MASTER_PORT_BASE": str(29400 + 500 * index), "TORCHJOBS_MASTER_PORT_SPAN": "500"}
 
 
-def embedded_stack(home: Path, env: dict[str, str] | None = None) -> Stack:
+# A uid's own view of this machine (`as_user`): its Python lives under /root, which only root
+# may enter, so a private mount namespace puts an open tmpfs over /root with the Python
+# environment bound back, then setpriv becomes the uid (no capabilities left, no groups).
+_AS_USER = """set -e
+keep=$(mktemp -d)
+mount --bind /root "$keep"
+mount -t tmpfs -o mode=755 torchjobs-as-user /root
+for entry in "$keep"/.pyenv; do
+  [ -e "$entry" ] || continue
+  mkdir -p "/root/${entry##*/}" && mount --bind "$entry" "/root/${entry##*/}"
+done
+umount -l "$keep" && rmdir "$keep"
+uid=$1; shift
+exec setpriv --reuid="$uid" --regid="$uid" --clear-groups -- "$@"
+"""
+
+
+def as_user(uid: int) -> tuple[str, ...]:
+    """A command prefix that runs the command as `uid`, a user that is not root (a worker as
+    most laptops run it: its sandbox then is bubblewrap in a user namespace). Needs root."""
+    return ("unshare", "--mount", "--propagation", "private", "sh", "-c", _AS_USER, "as-user", str(uid))
+
+
+def embedded_stack(home: Path, env: dict[str, str] | None = None, run_as: tuple[str, ...] = ()) -> Stack:
     """`torchjobs up` with its local worker online; stopped again if it does not get there."""
-    stack = Stack(home=home, env=env if env is not None else make_env(home), port=free_port(), embedded=True)
+    env = env if env is not None else make_env(home)
+    stack = Stack(home=home, env=env, port=free_port(), embedded=True, run_as=run_as)
     try:
         stack.start_server()
         stack.wait_worker_online("local")

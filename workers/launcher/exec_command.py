@@ -16,10 +16,13 @@ shell without the filter (`unshare -U` worked there), or the admin's exec answer
 job's output. PREFILTER also closes every descriptor but the standard ones and a pty's control
 pipe, so the namespace descriptors nsenter was given never reach the rank's uid.
 
-A worker whose sandbox lives in an unprivileged user namespace (`bwrap-userns`, a non-root
-worker) is refused (`Refused`): joining it takes that namespace's credentials, which this code
-has not been tested with. A worker without a sandbox runs the command as the ranks run, the
-worker's own uid in the node's run folder, in its control groups.
+On a non-root worker (`bwrap-userns`) the ranks' sandbox is an unprivileged user namespace
+the worker made, and the ranks are the worker's own uid, mapped. USERNS_JOIN (below) joins
+that user namespace too, which gives it every capability inside it for the other joins and
+the chroot, and sets the filter before any process of it is in the job's view; the exec of
+ENTRY, as a uid that is not the namespace's root, leaves it no capability: what a rank has.
+A worker without a sandbox runs the command as the ranks run, the worker's own uid in the
+node's run folder, in its control groups.
 
 Pure functions: the endpoint (workers/exec_endpoint.py) acts on them.
 """
@@ -197,6 +200,84 @@ def sandboxed_argv(
     args += [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
     args += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
     return [*args, *inner]
+
+
+# A non-root worker's exec (`userns_argv`): joins the user namespace that owns the rank's
+# namespaces (bubblewrap's outer one), then those namespaces, then the rank's own user
+# namespace nested in it (`--disable-userns` made it), and the rank's root, in this one
+# process, which no process of the job can see (it stays in the host's PID namespace). It
+# empties the capability bounding set, sets no_new_privs and the seccomp filter while it still
+# holds the capabilities the joins gave it; only then forks the child that lives in the job's
+# PID namespace, and execs `inner` there, as the rank's uid, which is not the namespace's
+# root: the exec leaves it no capability. (nsenter would exec between the join and the filter,
+# and that exec alone drops the capabilities: the filter's program would start as a plain
+# process of the job's uid, unfiltered, that a rank could ptrace.)
+# argv[1] the namespace descriptors (JSON: "user", "mnt", ...), argv[2] the root's descriptor,
+# argv[3] the seccomp program (hex), argv[4] "-" or the descriptor to keep, argv[5:] `inner`.
+USERNS_JOIN = r"""
+import ctypes, fcntl, json, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def fail(what):
+    sys.exit("torchjobs exec: %s: %s" % (what, os.strerror(ctypes.get_errno())))
+def join(fd, what):
+    if libc.setns(fd, 0) != 0:
+        fail("cannot join the rank's %s namespace" % what)
+fds = json.loads(sys.argv[1])
+try:
+    join(fcntl.ioctl(fds["mnt"], 0xB701), "owning user")  # NS_GET_USERNS: bwrap's outer one
+except OSError as exc:
+    sys.exit("torchjobs exec: the owner of the rank's mount namespace: %s" % exc.strerror)
+for name in ("mnt", "pid", "net", "ipc", "uts", "cgroup"):
+    if name in fds:
+        join(fds[name], name)
+join(fds["user"], "user")  # the rank's own, nested in that one (bwrap --disable-userns)
+os.fchdir(int(sys.argv[2]))
+os.chroot(".")
+os.chdir("/")
+keep = -1 if sys.argv[4] == "-" else int(sys.argv[4])
+# (this process has no PID in the job's /proc, which it sees now: its descriptors by range)
+if keep > 2:
+    os.closerange(3, keep)
+os.closerange(max(3, keep + 1), 1 << 20)
+ul = ctypes.c_ulong
+for cap in range(64):
+    if libc.prctl(24, ul(cap), ul(0), ul(0), ul(0)) and ctypes.get_errno() != 22:  # PR_CAPBSET_DROP
+        fail("cannot drop capability %d" % cap)
+if libc.prctl(47, ul(4), ul(0), ul(0), ul(0)):  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    fail("cannot clear the ambient capabilities")
+prog = bytes.fromhex(sys.argv[3])
+class Prog(ctypes.Structure): _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+fprog = Prog(len(prog) // 8, prog)
+nnp = libc.prctl(38, ul(1), ul(0), ul(0), ul(0))
+if not prog or nnp or libc.prctl(22, ul(2), ctypes.byref(fprog), ul(0), ul(0)):
+    fail("seccomp filter refused")
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execv(sys.argv[5], sys.argv[5:])
+    finally:
+        os._exit(127)
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, lambda *a: os.kill(pid, signal.SIGKILL))
+status = os.waitpid(pid, 0)[1]
+sys.exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+"""
+
+
+def userns_argv(
+    ns_fds: Mapping[str, int],
+    root_fd: int,
+    inner: Sequence[str],
+    *,
+    control_fd: int | None = None,
+) -> list[str]:
+    """`sandboxed_argv` for a sandbox in an unprivileged user namespace (a non-root worker's):
+    USERNS_JOIN with the rank's namespaces ("user" among them) and root, then `inner`."""
+    if "user" not in ns_fds or "mnt" not in ns_fds:
+        raise Refused("the rank's namespaces could not be opened")
+    keep = "-" if control_fd is None else str(control_fd)
+    fds = json.dumps(dict(ns_fds))
+    return [python(), "-S", "-I", "-c", USERNS_JOIN, fds, str(root_fd), seccomp.program().hex(), keep, *inner]
 
 
 def host_env() -> dict[str, str]:

@@ -1,0 +1,212 @@
+"""Into a running job (contract §14) on a worker that is not root: `torchjobs up` run as an
+ordinary uid (`harness.as_user`), whose ranks' sandbox is bubblewrap in an unprivileged user
+namespace (`bwrap-userns`). exec and forward enter that sandbox as they enter a root worker's
+(tests/integration/test_exec.py): the rank's processes in view, its uid, not one capability,
+the seccomp filter on before a process of the job could catch it, nothing of the host, and
+nothing left when the job ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.client.exec_client import ExecResult, run_exec
+from service.testing import harness
+from service.testing.harness import ADMIN_TOKEN, Stack
+from tests.integration import test_exec as root_exec
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="starts `torchjobs up` as another uid")
+USER_UID = 1000
+PORT = 5679
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    home = Path(tempfile.mkdtemp(prefix="torchjobs-userns-"))  # not under pytest's root-only folder
+    os.chown(home, USER_UID, USER_UID)
+    env = harness.make_env(home, HOME=str(home), TORCHJOBS_STREAM_RECHECK_S="1")
+    stack = harness.embedded_stack(home, env, run_as=harness.as_user(USER_UID))
+    yield stack
+    stack.stop()
+    harness.wait_for(lambda: _rmtree(home), 30, "the stack's folder to go")
+
+
+def _rmtree(home: Path) -> bool:
+    shutil.rmtree(home, ignore_errors=True)
+    return not home.exists()
+
+
+@pytest.fixture(scope="module")
+def alice(stack: Stack) -> str:
+    return root_exec._user(stack, "alice")[1]
+
+
+@pytest.fixture(scope="module")
+def job(stack: Stack, alice: str) -> int:
+    job_id = int(stack.submit(harness.script_job("serve_tcp.py", str(PORT)), alice)["id"])
+    stack.wait_job(job_id, timeout=180, states=("running",))
+    harness.wait_for(lambda: _reaches(stack, alice, job_id), 120, "exec to reach the rank")
+    return job_id
+
+
+def _reaches(stack: Stack, token: str, job_id: int) -> bool:
+    try:
+        return _exec(stack, token, job_id, "true").exit_code == 0
+    except Exception as exc:  # "still starting" (a 400) until the sandbox is up
+        if getattr(exc, "status_code", None) != 400:
+            raise
+        return False
+
+
+def _exec(stack: Stack, token: str, job_id: int, cmd: str, stdin: bytes = b"") -> ExecResult:
+    return run_exec(stack.url, token, job_id, cmd, stdin=stdin)
+
+
+def test_the_worker_is_not_root_and_sandboxes_in_a_user_namespace(stack: Stack) -> None:
+    worker = stack.worker("local")
+    assert worker is not None and worker["isolation"] == "sandbox", worker
+    assert Path(f"/proc/{stack.procs['up'].pid}").stat().st_uid == USER_UID
+
+
+def test_exec_is_the_rank_with_nothing_more(stack: Stack, alice: str, job: int) -> None:
+    assert _exec(stack, alice, job, "echo hi") == ExecResult(b"hi\n", 0)
+    assert _exec(stack, alice, job, "sh -c 'exit 3'").exit_code == 3
+    data = os.urandom(100_000)
+    assert _exec(stack, alice, job, "cat", stdin=data) == ExecResult(data, 0)
+    rank_uid = _exec(stack, alice, job, "sh -c 'stat -c %u /proc/$(pgrep -f serve_tcp.py | head -1)'")
+    assert _exec(stack, alice, job, "id -u").output == rank_uid.output != b"0\n", rank_uid
+    ps = _exec(stack, alice, job, "ps -eo pid,args").output.decode()
+    assert "serve_tcp.py" in ps, ps  # the rank's processes, as py-spy needs them
+    assert "service.cli.main" not in ps and "bwrap" not in ps, ps  # none of the host's
+    status = _exec(stack, alice, job, "cat /proc/self/status").output.decode()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    assert fields["NoNewPrivs"].strip() == "1" and fields["Seccomp"].strip() == "2", status
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(fields[caps], 16) == 0, (caps, status)
+    assert _exec(stack, alice, job, "pwd").output == b"/job\n"
+    assert _exec(stack, alice, job, f"test -e {stack.home}/torchjobs.db").exit_code == 1
+    assert (stack.home / "torchjobs.db").exists()
+    assert _exec(stack, alice, job, "unshare -U true").exit_code != 0
+    assert _exec(stack, alice, job, "mount -t tmpfs none /tmp").exit_code != 0
+    env = _exec(stack, alice, job, "env").output.decode()
+    assert "TORCHJOBS_JOB_ID=" in env and "TORCHJOBS_HOME" not in env and ADMIN_TOKEN not in env
+
+
+def test_the_snoop_of_contract_7_finds_nothing_through_exec(stack: Stack, alice: str, job: int) -> None:
+    targets = ":".join(
+        str(stack.home / p) for p in ("", "admin.token", "torchjobs.db", "runs", "checkpoints")
+    )
+    victims = ",".join(str(p.pid) for p in stack.procs.values())
+    snoop = f"env SNOOP_WALK=1 SNOOP_TARGETS={targets} SNOOP_PIDS={victims}"
+    snoop += f" {sys.executable} -I {root_exec.SNOOP}"
+    log = _exec(stack, alice, job, snoop).output.decode(errors="replace")
+    assert "SNOOP DONE" in log, log[-3000:]
+    assert log.count("FILE ") > 10, "the snoop read almost nothing: is it blind?"
+    assert ADMIN_TOKEN not in log
+    assert "KILLED" not in log and "TRACED" not in log and "WROTE" not in log, log[-3000:]
+    assert all(p.poll() is None for p in stack.procs.values())
+
+
+def test_the_job_cannot_catch_an_exec_before_its_seccomp_filter(stack: Stack, alice: str, job: int) -> None:
+    """Here the exec'd process is the job's own uid from the start (a non-root worker's ranks
+    are its uid, mapped): what keeps a rank off it while it is unfiltered is that it holds the
+    capabilities the join gave it, which the rank has not."""
+    watcher = f"{sys.executable} {harness.SCRIPTS / 'exec_watcher.py'} 30"
+    seen: dict[str, ExecResult] = {}
+    thread = threading.Thread(target=lambda: seen.update(w=_exec(stack, alice, job, watcher)), daemon=True)
+    thread.start()
+    harness.wait_for(lambda: _mentions(stack, job, b"exec_watcher.py"), 30, "the watcher")
+    for _ in range(20):
+        assert _exec(stack, alice, job, "true").exit_code == 0
+        if not thread.is_alive():
+            break
+    thread.join(timeout=60)
+    said = seen["w"].output.decode()
+    assert "seized seccomp" in said, said
+    assert "seized seccomp 2" in said and "seized seccomp 0" not in said, said
+
+
+def test_py_spy_dumps_the_rank(stack: Stack, alice: str, job: int) -> None:
+    spy = Path(sys.executable).with_name("py-spy")
+    pid = _exec(stack, alice, job, "pgrep -f serve_tcp.py").output.split()[0].decode()
+    dump = _exec(stack, alice, job, f"{spy} dump --pid {pid}")
+    assert dump.exit_code == 0, dump.output.decode(errors="replace")
+    assert b"serve_tcp.py" in dump.output, dump.output
+
+
+def test_a_pty_and_a_forward(stack: Stack, alice: str, job: int) -> None:
+    with root_exec._session(stack, alice, job, cmd="sh", tty="true") as ws:
+        ws.send(json.dumps({"resize": [31, 97]}))
+        ws.send(b"stty size; exit 6\n")
+        output, code = root_exec._drain(ws)
+    assert code == 6 and b"31 97" in output, output
+    env = {**stack.env, "TORCHJOBS_URL": stack.url, "TORCHJOBS_TOKEN": alice}
+    assert root_exec._refusal(stack, alice, job, port=1)[0] == 400  # nothing listens there
+    _forward_once(env, job)
+
+
+def _forward_once(env: dict[str, str], job: int) -> None:
+    cli = subprocess.Popen(
+        harness.torchjobs_cmd("forward", str(job), f"0:{PORT}"), env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert cli.stdout is not None
+        local = int(cli.stdout.readline().split("127.0.0.1:")[1].split()[0])
+        with socket.create_connection(("127.0.0.1", local), timeout=30) as sock:
+            stream = sock.makefile("rb")
+            assert stream.readline() == b"ready\n"
+            sock.sendall(b"userns\n")
+            assert stream.readline() == b"echo:userns\n"
+    finally:
+        cli.terminate()
+        cli.wait(timeout=30)
+
+
+def test_the_session_ends_with_the_job_and_leaves_nothing(stack: Stack, job: int) -> None:
+    """Runs last: the job is cancelled under a stubborn exec (it ignores SIGTERM and leaves a
+    daemon behind)."""
+    result: dict[str, Any] = {}
+    stubborn = 'sh -c \'trap "" TERM; (trap "" TERM; sleep 1000 &) ; sleep 1000\''
+
+    def hold() -> None:
+        with root_exec._session(stack, ADMIN_TOKEN, job, cmd=stubborn) as ws:
+            result["drained"] = root_exec._drain(ws)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    harness.wait_for(lambda: root_exec._count(stack, job, b"sleep") >= 2, 30, "the stubborn processes")
+    with stack.client() as c:
+        assert c.post(f"/v1/jobs/{job}/cancel").status_code in (200, 202)
+    stack.wait_job(job, timeout=120)
+    holder.join(timeout=60)
+    assert not holder.is_alive(), "the session outlived its job"
+    assert root_exec._refusal(stack, ADMIN_TOKEN, job, cmd="true")[0] == 400
+    harness.wait_for(lambda: not harness.pids_of_job(job, stack.home), 30, "nothing of the job left")
+    assert not any(b"sleep\x001000" in _cmdline(pid) for pid in _all_pids())
+
+
+def _mentions(stack: Stack, job_id: int, needle: bytes) -> bool:
+    return root_exec._mentions(stack, job_id, needle)
+
+
+def _all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
