@@ -181,7 +181,10 @@ def placement_inputs(session: Session) -> PlacementInputs:
             Job.pending_reason,
             Job.owner_id,
             Job.parent_id,
-            Job.hyperparameters,
+            # what only a CUDA worker can run: fp16 autocast (its GradScaler has no CPU form);
+            # on a CPU worker of a mixed cluster it would fail at its first step. One field,
+            # not the whole JSON of every queued job.
+            Job.hyperparameters["amp"].as_string().label("amp"),
             User.is_admin,
         )
         .join(User, User.id == Job.owner_id)
@@ -221,7 +224,7 @@ def placement_inputs(session: Session) -> PlacementInputs:
             by_admin=bool(r.is_admin),
             owner=r.owner_id,
             sweep=r.parent_id,
-            needs_cuda=needs_cuda(r.hyperparameters),
+            needs_cuda=r.amp == "fp16",
         )
         for r in rows
         if r.id not in held_back
@@ -230,12 +233,6 @@ def placement_inputs(session: Session) -> PlacementInputs:
     sweeps = sweep_limits(session, {q.sweep for q in queued if q.sweep is not None})
     running = running_jobs(session, max((q.priority for q in queued), default=None))
     return PlacementInputs(rows, queued, hosts, workers, owners, ready, sweeps, running)
-
-
-def needs_cuda(hyperparameters: dict[str, Any] | None) -> bool:
-    """What only a CUDA worker can run: fp16 autocast (its GradScaler has no CPU form). Placed
-    on a CPU worker of a mixed cluster, such a job would fail at its first step."""
-    return isinstance(hyperparameters, dict) and hyperparameters.get("amp") == "fp16"
 
 
 def owners_of(session: Session, owner_ids: set[int]) -> dict[int, Owner]:
