@@ -24,7 +24,7 @@ MARKS: dict[str, tuple[str, ...]] = {
     "integration/test_dependencies.py": _INTEGRATION,
     "integration/test_elastic.py": (*_INTEGRATION, "fault"),
     "integration/test_exec.py": _INTEGRATION,
-    "integration/test_exec_userns.py": _INTEGRATION,
+    "integration/test_non_root.py": _INTEGRATION,
     "integration/test_failures.py": (*_INTEGRATION, "fault"),
     "integration/test_fair_queue.py": _INTEGRATION,
     "integration/test_folder_checkpoints.py": _INTEGRATION,

@@ -1,9 +1,9 @@
-"""Into a running job (contract §14) on a worker that is not root: `torchjobs up` run as an
-ordinary uid (`harness.as_user`), whose ranks' sandbox is bubblewrap in an unprivileged user
-namespace (`bwrap-userns`). exec and forward enter that sandbox as they enter a root worker's
-(tests/integration/test_exec.py): the rank's processes in view, its uid, not one capability,
-the seccomp filter on before a process of the job could catch it, nothing of the host, and
-nothing left when the job ends.
+"""`torchjobs up` run as an ordinary uid (`harness.as_user`), as on a laptop: its ranks'
+sandbox is bubblewrap in an unprivileged user namespace (`bwrap-userns`). A DDP job trains
+and checkpoints there, and another resumes from its file; then exec and forward (contract
+§14) enter that sandbox as they enter a root worker's (tests/integration/test_exec.py): the
+rank's processes in view, its uid, not one capability, the seccomp filter on before a process
+of the job could catch it, nothing of the host, and nothing left when the job ends.
 """
 
 from __future__ import annotations
@@ -78,6 +78,39 @@ def test_the_worker_is_not_root_and_sandboxes_in_a_user_namespace(stack: Stack) 
     worker = stack.worker("local")
     assert worker is not None and worker["isolation"] == "sandbox", worker
     assert Path(f"/proc/{stack.procs['up'].pid}").stat().st_uid == USER_UID
+
+
+def test_a_ddp_job_trains_checkpoints_and_another_resumes_from_it(stack: Stack) -> None:
+    """Before the exec tests' job takes a slot: a DDP job on both slots, its checkpoint read
+    back over the API, and a `single` job resumed from it (the `module.` prefix stripped)."""
+    entry = {"kind": "builtin", "model": "mlp", "dataset": "digits"}
+    ddp = stack.submit(
+        {"mode": "ddp", "gpus_per_node": 2, "entrypoint": entry, "hyperparameters": {"epochs": 2}}
+    )
+    done = stack.wait_job(ddp["id"], timeout=240)
+    assert done["state"] == "succeeded", stack.describe(ddp["id"])
+    checkpoint = done["latest_checkpoint"]
+    assert checkpoint is not None and checkpoint["epoch"] == 2, checkpoint
+    with stack.client() as c:
+        body = c.get(f"/v1/checkpoints/{checkpoint['id']}/download").content
+    assert len(body) == checkpoint["size_bytes"] > 0
+    resumed = stack.submit(
+        {
+            "mode": "single",
+            "entrypoint": entry,
+            "hyperparameters": {"epochs": 3},
+            "resume_from": {"checkpoint_id": checkpoint["id"]},
+        }
+    )
+    again = stack.wait_job(resumed["id"], timeout=240)
+    assert again["state"] == "succeeded", stack.describe(resumed["id"])
+    assert again["progress"]["epoch"] == 3 and again["latest_checkpoint"]["epoch"] == 3
+    assert "resuming at epoch 2" in _rank0_log(stack, resumed["id"])
+
+
+def _rank0_log(stack: Stack, job_id: int) -> str:
+    with stack.client() as c:
+        return c.get(f"/v1/jobs/{job_id}/logs", params={"node": 0, "rank": 0}).text
 
 
 def test_exec_is_the_rank_with_nothing_more(stack: Stack, alice: str, job: int) -> None:
