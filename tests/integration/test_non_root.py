@@ -171,6 +171,29 @@ def test_the_job_cannot_catch_an_exec_before_its_seccomp_filter(stack: Stack, al
     assert "seized seccomp 2" in said and "seized seccomp 0" not in said, said
 
 
+def test_the_exec_is_in_a_session_of_its_own(stack: Stack, alice: str, job: int) -> None:
+    """The join process outside the job's PID namespace is the job's uid on the host, as a
+    non-root worker's ranks are: the process it forks into the job leaves its session and
+    process group first, so nothing the job runs can signal it (`kill(0, …)` from the job's
+    code before ENTRY's own setsid did; a pty session's ENTRY never calls setsid)."""
+    with root_exec._session(stack, alice, job, cmd="sleep 777", tty="true"):
+        sleeper = harness.wait_for(lambda: _pid_running(b"sleep\x00777"), 30, "the command")
+        entry = _parent(sleeper)
+        join = _parent(entry)
+        assert b"setns" in _cmdline(join)  # USERNS_JOIN, in the host's PID namespace
+        assert os.getsid(entry) != os.getsid(join) and os.getpgid(entry) != os.getpgid(join)
+        assert os.readlink(f"/proc/{join}/ns/pid") != os.readlink(f"/proc/{entry}/ns/pid")
+
+
+def _pid_running(cmdline: bytes) -> int | None:
+    return next((pid for pid in _all_pids() if _cmdline(pid).startswith(cmdline)), None)
+
+
+def _parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
+
+
 def test_py_spy_dumps_the_rank(stack: Stack, alice: str, job: int) -> None:
     spy = Path(sys.executable).with_name("py-spy")
     pid = _exec(stack, alice, job, "pgrep -f serve_tcp.py").output.split()[0].decode()

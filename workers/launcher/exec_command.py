@@ -254,6 +254,7 @@ if not prog or nnp or libc.prctl(22, ul(2), ctypes.byref(fprog), ul(0), ul(0)):
 pid = os.fork()
 if pid == 0:
     try:
+        os.setsid()  # this process is the job's uid: nothing in the job may signal its group
         os.execv(sys.argv[5], sys.argv[5:])
     finally:
         os._exit(127)
