@@ -9,18 +9,25 @@ nothing an exec started is left.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import select
+import signal
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
+import termios
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
@@ -35,6 +42,7 @@ pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="exec enters a root worker's sandbox (bwrap-setuid)"
 )
 PORT = 5678
+HTTP_PORT = 5690
 MAX_PER_USER = 3
 SNOOP = str(harness.SCRIPTS / "snoop.py")
 
@@ -383,6 +391,92 @@ def test_py_spy_dumps_the_rank_from_inside_its_sandbox(stack: Stack, alice: str,
     dump = _exec(stack, alice, job, f"{spy} dump --pid {pid}")
     assert dump.exit_code == 0, dump.output.decode(errors="replace")
     assert b"serve_tcp.py" in dump.output and b"Thread" in dump.output, dump.output
+
+
+def test_forward_to_an_http_server_the_job_started(stack: Stack, alice: str) -> None:
+    """A second job of alice's runs Python's http.server on its own loopback; `torchjobs forward`
+    brings it to a local port, where plain HTTP GETs reach it (the server's own answer)."""
+    job_id = int(stack.submit(harness.script_job("serve_http.py", str(HTTP_PORT)), alice)["id"])
+    try:
+        stack.wait_job(job_id, timeout=180, states=("running",))
+        env = {**stack.env, "TORCHJOBS_URL": stack.url, "TORCHJOBS_TOKEN": alice}
+        cli = subprocess.Popen(
+            harness.torchjobs_cmd("forward", str(job_id), f"0:{HTTP_PORT}"),
+            env=env, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert cli.stdout is not None
+            local = int(cli.stdout.readline().split("127.0.0.1:")[1].split()[0])
+            url = f"http://127.0.0.1:{local}/hello.txt"
+            answer = harness.wait_for(lambda: _get_when_up(url), 60, "the job's http.server")
+            assert answer.status_code == 200 and answer.text == f"served by job {job_id}\n"
+            assert "SimpleHTTP" in answer.headers["server"]
+            assert httpx.get(f"http://127.0.0.1:{local}/missing", timeout=30).status_code == 404
+        finally:
+            cli.terminate()
+            cli.wait(timeout=30)
+    finally:
+        with stack.client() as c:
+            c.post(f"/v1/jobs/{job_id}/cancel")
+        stack.wait_job(job_id, timeout=120)
+
+
+def _get_when_up(url: str) -> httpx.Response | None:
+    """The job's server may not listen yet: the forward then closes the connection at once."""
+    try:
+        return httpx.get(url, timeout=30)
+    except httpx.TransportError:
+        return None
+
+
+def test_the_cli_shell_is_a_real_pty(stack: Stack, alice: str, job: int) -> None:
+    """`torchjobs shell` on a terminal of its own (a pty this test holds): the remote pty gets
+    this terminal's size at the start and again on SIGWINCH; Ctrl-C interrupts the remote
+    command, not the CLI (the local terminal is raw); the shell's exit code is the CLI's."""
+    env = {**stack.env, "TORCHJOBS_URL": stack.url, "TORCHJOBS_TOKEN": alice}
+    master, slave = os.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    cli = subprocess.Popen(
+        harness.torchjobs_cmd("shell", str(job), "--cmd", "sh -i"),
+        env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+    )  # fmt: skip
+    os.close(slave)
+    seen = bytearray()
+    try:
+        _read_until(master, seen, b"$ ")  # the prompt: a shell may drop what was typed before
+        os.write(master, b"stty size\n")
+        _read_until(master, seen, b"40 120")
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 33, 91, 0, 0))
+        cli.send_signal(signal.SIGWINCH)  # what the kernel sends a terminal's foreground
+        os.write(master, b"stty size\n")
+        _read_until(master, seen, b"33 91")
+        os.write(master, b"sleep 300\n")
+        harness.wait_for(lambda: _count(stack, job, b"sleep") == 1, 30, "the remote sleep")
+        os.write(master, b"\x03")
+        harness.wait_for(lambda: _count(stack, job, b"sleep") == 0, 30, "Ctrl-C to end it")
+        os.write(master, b"echo status-$?\n")
+        _read_until(master, seen, b"status-130")  # SIGINT ended the sleep, over there
+        assert cli.poll() is None  # and the CLI lives on
+        os.write(master, b"exit 9\n")
+        assert cli.wait(timeout=60) == 9
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        os.close(master)
+
+
+def _read_until(fd: int, seen: bytearray, needle: bytes, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"{needle!r} never came: {bytes(seen[-2000:])!r}"
+        if select.select([fd], [], [], left)[0]:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:  # the CLI ended: its side of the pty is closed
+                break
+    assert needle in seen, bytes(seen[-2000:])
 
 
 def test_a_revoked_token_closes_an_open_shell(stack: Stack, job: int) -> None:
