@@ -126,11 +126,16 @@ def _rank_uid(stack: Stack, job_id: int) -> int:
 
 
 def test_exec_output_exit_codes_and_stdin(stack: Stack, alice: str, job: int) -> None:
-    assert _exec(stack, alice, job, "echo hi") == ExecResult(b"hi\n", 0)
-    assert _exec(stack, alice, job, "sh -c 'exit 3'").exit_code == 3
+    output_exit_codes_and_stdin(stack, alice, job)
+
+
+def output_exit_codes_and_stdin(stack: Stack, token: str, job: int) -> None:
+    """(also used by tests/integration/test_non_root.py)"""
+    assert _exec(stack, token, job, "echo hi") == ExecResult(b"hi\n", 0)
+    assert _exec(stack, token, job, "sh -c 'exit 3'").exit_code == 3
     data = os.urandom(200_000)
-    assert _exec(stack, alice, job, "cat", stdin=data) == ExecResult(data, 0)
-    missing = _exec(stack, alice, job, "no-such-command")
+    assert _exec(stack, token, job, "cat", stdin=data) == ExecResult(data, 0)
+    missing = _exec(stack, token, job, "no-such-command")
     assert missing.exit_code == 127 and b"no-such-command" in missing.output
 
 
@@ -269,13 +274,20 @@ def test_the_job_cannot_catch_an_exec_before_its_seccomp_filter(stack: Stack, al
     """The filter is on before the exec'd process is the job's uid: a process of the job that
     attaches to it with ptrace at the first moment it can finds it filtered (it was unfiltered
     for its Python's start-up, long enough to be made to exec a shell without the filter)."""
+    no_exec_is_caught_unfiltered(stack, alice, job)
+
+
+def no_exec_is_caught_unfiltered(stack: Stack, token: str, job: int) -> None:
+    """A watcher of the job's (tests/scripts/exec_watcher.py) seizes every new process of the
+    job's PID namespace as soon as it can, while execs come and go: every one it caught was
+    filtered already (also used by tests/integration/test_non_root.py)."""
     watcher = f"{sys.executable} {harness.SCRIPTS / 'exec_watcher.py'} 30"
     seen: dict[str, ExecResult] = {}
-    thread = threading.Thread(target=lambda: seen.update(w=_exec(stack, alice, job, watcher)), daemon=True)
+    thread = threading.Thread(target=lambda: seen.update(w=_exec(stack, token, job, watcher)), daemon=True)
     thread.start()
     harness.wait_for(lambda: _mentions(stack, job, b"exec_watcher.py"), 30, "the watcher")
     for _ in range(20):
-        assert _exec(stack, alice, job, "true").exit_code == 0
+        assert _exec(stack, token, job, "true").exit_code == 0
         if not thread.is_alive():
             break
     thread.join(timeout=60)

@@ -114,10 +114,7 @@ def _rank0_log(stack: Stack, job_id: int) -> str:
 
 
 def test_exec_is_the_rank_with_nothing_more(stack: Stack, alice: str, job: int) -> None:
-    assert _exec(stack, alice, job, "echo hi") == ExecResult(b"hi\n", 0)
-    assert _exec(stack, alice, job, "sh -c 'exit 3'").exit_code == 3
-    data = os.urandom(100_000)
-    assert _exec(stack, alice, job, "cat", stdin=data) == ExecResult(data, 0)
+    root_exec.output_exit_codes_and_stdin(stack, alice, job)
     rank_uid = _exec(stack, alice, job, "sh -c 'stat -c %u /proc/$(pgrep -f serve_tcp.py | head -1)'")
     assert _exec(stack, alice, job, "id -u").output == rank_uid.output != b"0\n", rank_uid
     ps = _exec(stack, alice, job, "ps -eo pid,args").output.decode()
@@ -156,19 +153,7 @@ def test_the_job_cannot_catch_an_exec_before_its_seccomp_filter(stack: Stack, al
     """Here the exec'd process is the job's own uid from the start (a non-root worker's ranks
     are its uid, mapped): what keeps a rank off it while it is unfiltered is that it holds the
     capabilities the join gave it, which the rank has not."""
-    watcher = f"{sys.executable} {harness.SCRIPTS / 'exec_watcher.py'} 30"
-    seen: dict[str, ExecResult] = {}
-    thread = threading.Thread(target=lambda: seen.update(w=_exec(stack, alice, job, watcher)), daemon=True)
-    thread.start()
-    harness.wait_for(lambda: _mentions(stack, job, b"exec_watcher.py"), 30, "the watcher")
-    for _ in range(20):
-        assert _exec(stack, alice, job, "true").exit_code == 0
-        if not thread.is_alive():
-            break
-    thread.join(timeout=60)
-    said = seen["w"].output.decode()
-    assert "seized seccomp" in said, said
-    assert "seized seccomp 2" in said and "seized seccomp 0" not in said, said
+    root_exec.no_exec_is_caught_unfiltered(stack, alice, job)
 
 
 def test_the_exec_is_in_a_session_of_its_own(stack: Stack, alice: str, job: int) -> None:
@@ -251,10 +236,6 @@ def test_the_session_ends_with_the_job_and_leaves_nothing(stack: Stack, job: int
     assert root_exec._refusal(stack, ADMIN_TOKEN, job, cmd="true")[0] == 400
     harness.wait_for(lambda: not harness.pids_of_job(job, stack.home), 30, "nothing of the job left")
     assert not any(b"sleep\x001000" in _cmdline(pid) for pid in _all_pids())
-
-
-def _mentions(stack: Stack, job_id: int, needle: bytes) -> bool:
-    return root_exec._mentions(stack, job_id, needle)
 
 
 def _all_pids() -> list[int]:

@@ -224,13 +224,16 @@ def join(fd, what):
         fail("cannot join the rank's %s namespace" % what)
 fds = json.loads(sys.argv[1])
 try:
-    join(fcntl.ioctl(fds["mnt"], 0xB701), "owning user")  # NS_GET_USERNS: bwrap's outer one
+    owner = fcntl.ioctl(fds["mnt"], 0xB701)  # NS_GET_USERNS: bwrap's outer user namespace
 except OSError as exc:
     sys.exit("torchjobs exec: the owner of the rank's mount namespace: %s" % exc.strerror)
+nested = os.fstat(owner).st_ino != os.fstat(fds["user"]).st_ino
+join(owner, "owning user")
 for name in ("mnt", "pid", "net", "ipc", "uts", "cgroup"):
     if name in fds:
         join(fds[name], name)
-join(fds["user"], "user")  # the rank's own, nested in that one (bwrap --disable-userns)
+if nested:  # the rank's own, inside that one (bwrap --disable-userns)
+    join(fds["user"], "user")
 os.fchdir(int(sys.argv[2]))
 os.chroot(".")
 os.chdir("/")

@@ -18,9 +18,7 @@ from service.nodes.values import NodeOutcome
 from service.scheduler.placement import Host, Owner, QueuedJob, plan
 from service.states import JobState, NodeState
 from tests.factories import make_user, make_worker
-from tests.service.scheduler.test_preemption import db, events, job, schedule, start, stop_nodes, submit
-
-__all__ = ["db"]  # the fixture, shared with the preemption tests
+from tests.service.scheduler.test_preemption import events, job, schedule, start, stop_nodes, submit
 
 # -- the placement, as a plain function -----------------------------------------------------------
 

@@ -5,32 +5,11 @@ holds."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
-from service.config import Settings
 from service.db import Database
 from service.jobs.dependencies import readiness
-from service.migrate import upgrade
 from service.models import JobDependency
 from service.scheduler.placement_pass import place, placement_inputs
 from tests.factories import make_job, make_user, make_worker
-
-
-@pytest.fixture(params=["postgres", "sqlite"])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
-    url = (
-        f"sqlite:///{tmp_path / 'db.sqlite'}"
-        if request.param == "sqlite"
-        else str(request.getfixturevalue("pg_url"))
-    )
-    settings = Settings(home=tmp_path, database_url=url, heartbeat_timeout_s=3600, rendezvous_timeout_s=3600)
-    upgrade(settings)
-    database = Database(settings)
-    yield database
-    database.dispose()
 
 
 def test_only_fp16_autocast_needs_cuda_and_waits_for_it(db: Database) -> None:

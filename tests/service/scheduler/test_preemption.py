@@ -4,20 +4,16 @@ placed by the pass, started through the workers' own claim, ended through their 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import select
 
-from service.config import Settings
 from service.db import Database
 from service.hosts import service as hosts_service
 from service.jobs import repository as jobs_repo
 from service.jobs.lifecycle import claim_node, end_attempt, finish_node
 from service.jobs.states import lock_job
-from service.migrate import upgrade
 from service.models import GpuAllocation, Job, JobEvent, User
 from service.nodes.values import NodeOutcome
 from service.scheduler.placement_pass import run_pass
@@ -84,20 +80,6 @@ def test_victims_on_several_hosts_for_a_multi_node_job() -> None:
 
 
 # -- whole passes over a real database -----------------------------------------------------------
-
-
-@pytest.fixture(params=["postgres", "sqlite"])
-def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
-    url = (
-        f"sqlite:///{tmp_path / 'db.sqlite'}"
-        if request.param == "sqlite"
-        else str(request.getfixturevalue("pg_url"))
-    )
-    settings = Settings(home=tmp_path, database_url=url, heartbeat_timeout_s=3600, rendezvous_timeout_s=3600)
-    upgrade(settings)
-    database = Database(settings)
-    yield database
-    database.dispose()
 
 
 def submit(db: Database, owner: int, **fields: Any) -> int:
