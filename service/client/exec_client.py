@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -126,11 +126,33 @@ def exec_streaming(
     return code
 
 
-def _pump_stdin(ws: ClientConnection, fd: int) -> None:
+def _pump_stdin(ws: ClientConnection, fd: int, before: Callable[[], None] | None = None) -> None:
+    """`before` runs ahead of each chunk sent (the shell's size check)."""
     with contextlib.suppress(OSError, ConnectionClosed):
         while data := os.read(fd, CHUNK):
+            if before is not None:
+                before()
             ws.send(data)
         ws.send(b"")
+
+
+class _TerminalSize:
+    """The local terminal's size, sent when it changed: from the SIGWINCH handler, and from the
+    stdin pump before each keystroke it sends. The handler runs in the main thread whenever
+    Python gets to it, so a line typed right after a resize could reach the remote shell first
+    (its `stty size` would print the old size); the pump's check keeps the order the user saw."""
+
+    def __init__(self, ws: ClientConnection, fd: int) -> None:
+        self.ws, self.fd = ws, fd
+        self.sent: tuple[int, int] | None = None
+        self.lock = threading.Lock()
+
+    def send_if_changed(self, *_: object) -> None:
+        with self.lock, contextlib.suppress(OSError, ConnectionClosed):
+            cols, rows = os.get_terminal_size(self.fd)
+            if (rows, cols) != self.sent:
+                self.ws.send(json.dumps({"resize": [rows, cols]}))
+                self.sent = (rows, cols)
 
 
 def shell(url: str, token: str | None, job_id: int, cmd: str, node_rank: int, local_rank: int) -> int:
@@ -144,18 +166,14 @@ def shell(url: str, token: str | None, job_id: int, cmd: str, node_rank: int, lo
     params = exec_params(cmd, node_rank, local_rank, True)
     with open_socket(url, token, f"/v1/jobs/{job_id}/exec", params) as ws:
         saved = termios.tcgetattr(fd) if interactive else None
-
-        def resize(*_: object) -> None:
-            with contextlib.suppress(OSError, ConnectionClosed):
-                cols, rows = os.get_terminal_size(fd)
-                ws.send(json.dumps({"resize": [rows, cols]}))
-
+        size = _TerminalSize(ws, fd) if interactive else None
         try:
-            if interactive:
+            if size is not None:
                 tty.setraw(fd)
-                resize()
-                signal.signal(signal.SIGWINCH, resize)
-            threading.Thread(target=_pump_stdin, args=(ws, fd), daemon=True).start()
+                size.send_if_changed()
+                signal.signal(signal.SIGWINCH, size.send_if_changed)
+            before = size.send_if_changed if size is not None else None
+            threading.Thread(target=_pump_stdin, args=(ws, fd, before), daemon=True).start()
             out = sys.stdout.buffer
             code = _receive(ws, lambda data: (out.write(data), out.flush()))
         finally:

@@ -219,7 +219,9 @@ def test_the_session_ends_with_the_job_and_leaves_nothing(stack: Stack, job: int
     """Runs last: the job is cancelled under a stubborn exec (it ignores SIGTERM and leaves a
     daemon behind)."""
     result: dict[str, Any] = {}
-    stubborn = 'sh -c \'trap "" TERM; (trap "" TERM; sleep 1000 &) ; sleep 1000\''
+    # 1009, not test_exec's 1000: the /proc scan below sees every process of the machine, and
+    # the root module may hold its own stubborn session at the same time on the other xdist worker
+    stubborn = 'sh -c \'trap "" TERM; (trap "" TERM; sleep 1009 &) ; sleep 1009\''
 
     def hold() -> None:
         with root_exec._session(stack, ADMIN_TOKEN, job, cmd=stubborn) as ws:
@@ -235,7 +237,7 @@ def test_the_session_ends_with_the_job_and_leaves_nothing(stack: Stack, job: int
     assert not holder.is_alive(), "the session outlived its job"
     assert root_exec._refusal(stack, ADMIN_TOKEN, job, cmd="true")[0] == 400
     harness.wait_for(lambda: not harness.pids_of_job(job, stack.home), 30, "nothing of the job left")
-    assert not any(b"sleep\x001000" in _cmdline(pid) for pid in _all_pids())
+    assert not any(b"sleep\x001009" in _cmdline(pid) for pid in _all_pids())
 
 
 def _all_pids() -> list[int]:

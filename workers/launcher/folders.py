@@ -235,6 +235,13 @@ def _interrupted_dcp_save(top: set[str]) -> bool:
 IGNORED_SUFFIXES = (".tmp", ".partial")
 
 
+def _saved_order(found: FoundFolder) -> tuple[int, str]:
+    """Folders found in one look, oldest save first (by their newest file): they are stored,
+    and so listed, in that order. By name, `checkpoint-1000` would come before `checkpoint-500`.
+    The mtimes are the job's to set: a job that fakes them only misorders its own list."""
+    return max((sig[2] for sig in found.files), default=0), found.name
+
+
 class FolderWatcher:
     """The complete folders in the checkpoint folder (contract §11), each time it is rewritten.
 
@@ -285,7 +292,7 @@ class FolderWatcher:
             if self.rules.look(name, look.files, name in done, final):
                 version = self.rules.taken(name, look.files)
                 found.append(FoundFolder(name=name, files=look.files, version=version))
-        return found
+        return sorted(found, key=_saved_order)
 
     def open_file(self, name: str, sig: FileSig) -> Exactly:
         """One file of a found folder, checked to be the file the look saw (a new descriptor of

@@ -527,19 +527,17 @@ class NodeSupervisor:
             self.awaiting.append((part, found.name))
 
     def _list_awaiting(self, hooks: FolderHooks) -> None:
-        """Each awaiting part listed where it can be, in order; on a failure the parts listed
-        before it are awaited no more, and it and those after it are tried again."""
-        waiting: list[tuple[int, str]] = []
-        for i, (part, name) in enumerate(self.awaiting):
-            meta = checkpoint_meta(self.ckpt_meta.get(name), name)
-            try:
-                listed = hooks.try_list(part, meta)
-            except Exception:
-                self.awaiting = waiting + self.awaiting[i:]
-                raise
-            if listed is None:
-                waiting.append((part, name))
-        self.awaiting = waiting
+        """The awaiting parts listed in the order they were stored, up to the first that cannot
+        be yet: checkpoints are listed in the order the ranks saved them, so the newest listed
+        is the newest saved (`latest_checkpoint`, resume, `keep_checkpoints` go by that order).
+        Listing a later one first, while another node still stores its part of an earlier one,
+        would make the earlier one the job's latest. On a failure the parts listed before it
+        are awaited no more, and it and those after it are tried again."""
+        while self.awaiting:
+            part, name = self.awaiting[0]
+            if hooks.try_list(part, checkpoint_meta(self.ckpt_meta.get(name), name)) is None:
+                return
+            self.awaiting.pop(0)
 
     def _await_listing(self) -> None:
         """Node 0, its ranks ended: its parts wait (bounded) for the other nodes' final looks,

@@ -312,3 +312,14 @@ def test_staged_folders_are_pruned_least_recently_used_first_but_not_while_in_us
     assert sorted(p.name for p in cache.iterdir() if p.is_dir()) == ["folder-2", "folder-3"]
     prune_folders(cache, 0, keep=staged[3], min_idle_s=0)
     assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".pt")) == ["folder-3"]
+
+
+def test_folders_found_in_one_look_come_oldest_save_first(run: tuple[JobFolder, Path]) -> None:
+    """By name `checkpoint-1000` comes before `checkpoint-500`; found in the same look (the
+    ranks' exit), they are stored and listed in the order they were saved."""
+    folder, ckpts = run
+    for name, mtime in (("checkpoint-500", 1_000_000), ("checkpoint-1000", 2_000_000)):
+        write(ckpts / name / "model.bin", b"m")
+        os.utime(ckpts / name / "model.bin", (mtime, mtime))
+    found = watcher(folder).poll(final=True)
+    assert [f.name for f in found] == ["checkpoint-500", "checkpoint-1000"]

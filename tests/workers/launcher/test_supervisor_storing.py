@@ -305,3 +305,31 @@ def test_a_folder_listed_before_a_failed_try_is_not_tried_again(tmp_path: Path) 
     argv = [sys.executable, "-c", TWO_DCP_FOLDERS, str(paths.checkpoints)]
     assert node(paths, argv, hooks).run().state == "succeeded"
     assert tries == [1, 2, 2]
+
+
+def test_folders_are_listed_in_the_order_they_were_saved(tmp_path: Path) -> None:
+    """Two folders awaiting, the first not whole yet (another node still stores its part) when
+    the second is: the second waits for it. Listed first, the older save would have become the
+    job's latest checkpoint once it was listed in turn (seen in CI on a 2-host fsdp job)."""
+    paths = NodePaths(run_dir=tmp_path / "node")
+    parts = iter(range(1, 10))
+    first_ready = False
+    listed: list[int] = []
+
+    def try_list(part: int, meta: dict[str, Any] | None) -> int | None:
+        nonlocal first_ready
+        if part == 1 and not first_ready:
+            first_ready = True  # ready at its next try
+            return None
+        listed.append(part)
+        return 100 + part
+
+    def store_part(name: str, version: int, files: Any, opener: Any) -> int:
+        for sig in files:
+            opener(sig).close()
+        return next(parts)
+
+    hooks = folder_hooks(store_part, try_list)
+    argv = [sys.executable, "-c", TWO_DCP_FOLDERS, str(paths.checkpoints)]
+    assert node(paths, argv, hooks).run().state == "succeeded"
+    assert listed == [1, 2]
