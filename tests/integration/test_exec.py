@@ -173,6 +173,7 @@ def test_the_snoop_of_contract_7_finds_nothing_through_exec(stack: Stack, alice:
     assert log.count("FILE ") > 10, "the snoop read almost nothing: is it blind?"
     assert ADMIN_TOKEN not in log and _endpoint(stack)[1] not in log
     assert "KILLED" not in log and "TRACED" not in log and "WROTE" not in log, log[-3000:]
+    assert "CGROUP " not in log, "it listed the host's control groups (other job nodes' among them)"
     assert all(p.poll() is None for p in stack.procs.values())  # the service lives on
 
 

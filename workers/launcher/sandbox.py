@@ -208,9 +208,16 @@ def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> li
 
 
 def _kernel_views(mounts: Mounts) -> list[str]:
-    """A private /proc, /dev and /dev/shm; in a network namespace of its own, the host's
-    interfaces in /sys (other jobs' veths, their addresses and counters) hidden."""
+    """A private /proc, /dev and /dev/shm; the host's control groups hidden (an empty
+    /sys/fs/cgroup: through /sys a job listed every other job node's group, `job-ID-ATTEMPT-NODE`,
+    with its memory and process counts, and the host's services'); in a network namespace of its
+    own, the host's interfaces in /sys (other jobs' veths, their addresses and counters) hidden.
+
+    The node's own group is not shown either: a warm sandbox is made before it is any node's,
+    and moved into one later. A job that reads its memory limit from there finds none (as on a
+    host without cgroups) and falls back to the machine's memory."""
     args = ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm"]
+    args += ["--perms", "0555", "--tmpfs", "/sys/fs/cgroup"]
     if mounts.private_network:
         args += ["--tmpfs", "/sys/class/net", "--tmpfs", "/sys/devices/virtual/net"]
     return args

@@ -77,6 +77,7 @@ print(json.dumps({
     "secret_visible": os.path.exists(os.environ["SECRET"]),
     "root_listing": sorted(os.listdir("/")),
     "etc": sorted(os.listdir("/etc")),
+    "cgroups": sorted(os.listdir("/sys/fs/cgroup")) if os.path.isdir("/sys/fs/cgroup") else None,
 }))
 """
 
@@ -100,6 +101,8 @@ def test_a_sandbox_has_its_own_uid_view_and_processes(tmp_path: Path, method: st
     assert not seen["resume_writable"] and not seen["prefix_writable"] and seen["job_writable"]
     assert not seen["secret_visible"]
     assert "shadow" not in seen["etc"] and "root" in seen["root_listing"]
+    assert os.listdir("/sys/fs/cgroup"), "the host's control groups: what the sandbox must hide"
+    assert seen["cgroups"] == []  # no job node's group, no host service's
 
 
 def test_killing_pid_1_ends_the_whole_sandbox_even_what_ignores_sigterm(tmp_path: Path) -> None:
