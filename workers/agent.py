@@ -31,7 +31,7 @@ from workers import context, exec_endpoint
 from workers.celery_app import make_celery
 from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
-from workers.environments import envs_root
+from workers.environments import envs_root, prepare_envs_root
 from workers.launcher import cgroups, devices, job_network, sandbox, uids
 from workers.launcher.command import NodePaths, code_folders, passthrough
 from workers.launcher.jobfiles import remove_tree
@@ -203,8 +203,7 @@ def run_worker(
     ctx.rank_base_env = passthrough(os.environ, settings.rank_env_allow)
     if ctx.isolation.sandboxed:  # the Python environment, script roots, a passed PYTHONPATH
         folders = code_folders(settings.script_root_paths, ctx.rank_base_env)
-        envs = envs_root(settings)  # built environments: every job reads its own, none writes
-        envs.mkdir(parents=True, exist_ok=True)
+        envs = prepare_envs_root(envs_root(settings))  # every job reads its own, lists none, writes none
         ctx.sandbox_read_only = (
             *sandbox.python_paths(sys.executable),
             *folders,

@@ -25,6 +25,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -54,8 +55,45 @@ class BuiltEnvironment:
     seconds: float
 
 
+SALT_FILE = "envs.salt"  # in the cache folder, beside (not in) the folder the sandboxes see
+
+
 def envs_root(settings: Settings) -> Path:
     return settings.cache_dir / "envs"
+
+
+def prepare_envs_root(root: Path) -> Path:
+    """The built environments' folder, traversable and not listable by the ranks (0711): every
+    sandbox binds it read-only, a job reaches its own environment by the name the worker puts
+    on its PYTHONPATH, and it can neither list which environments this host holds (other
+    users' requirements) nor guess their names (`environment_key` is salted per host).
+    A non-root worker's ranks are its own uid, the folder's owner: there they can list it."""
+    root.mkdir(parents=True, exist_ok=True)
+    root.chmod(0o711)
+    return root
+
+
+def host_salt(cache_dir: Path) -> str:
+    """This host's secret for environment names, made once and kept (0600, the worker's): the
+    same requirements keep their built environment across worker restarts and between the
+    workers sharing the cache. Made beside and linked into place, so two workers starting
+    together agree on one."""
+    path = cache_dir / SALT_FILE
+    with contextlib.suppress(FileNotFoundError):
+        if salt := path.read_text().strip():
+            return salt
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    made = path.with_name(f".{SALT_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_hex(32) + "\n")
+    try:
+        os.link(made, path)
+    except FileExistsError:
+        pass
+    finally:
+        made.unlink()
+    return path.read_text().strip()
 
 
 @cache
@@ -69,8 +107,9 @@ def worker_packages() -> dict[str, str]:
     return found
 
 
-def environment_key(requirements: list[str], installer_args: str) -> str:
+def environment_key(requirements: list[str], installer_args: str, salt: str) -> str:
     fingerprint = {
+        "salt": salt,
         "requirements": sorted(str(Requirement(r)) for r in requirements),
         "python": sys.version,
         "platform": platform.platform(),
@@ -83,9 +122,8 @@ def environment_key(requirements: list[str], installer_args: str) -> str:
 def ensure_environment(settings: Settings, requirements: list[str], log: Path) -> BuiltEnvironment:
     """The environment for these requirements, built now or found; its story goes to `log`."""
     started = time.monotonic()
-    root = envs_root(settings)
-    root.mkdir(parents=True, exist_ok=True)
-    key = environment_key(requirements, settings.env_installer_args)
+    root = prepare_envs_root(envs_root(settings))
+    key = environment_key(requirements, settings.env_installer_args, host_salt(settings.cache_dir))
     dest = root / key
     reused = (dest / READY).is_dir()
     if not reused:
@@ -122,7 +160,7 @@ def _build(settings: Settings, requirements: list[str], dest: Path, log: Path) -
         else:
             (staging / READY).mkdir()
         for name in ("requirements.in", "worker.txt", "install.txt"):
-            (staging / name).unlink()  # every job can read the cache: keep no one's requirements there
+            (staging / name).unlink()  # a job that knows the name can read it: keep no requirements there
         staging.rename(dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from service.config import Settings
-from workers.environments import EnvironmentFailed, ensure_environment, planned_additions, worker_packages
+from workers.environments import (
+    EnvironmentFailed,
+    ensure_environment,
+    environment_key,
+    host_salt,
+    planned_additions,
+    worker_packages,
+)
 
 FIND_LINKS = Path("/opt/wheels")  # where this machine's CPU torch comes from (see README)
 
@@ -82,3 +89,22 @@ def test_the_plan_adds_only_and_never_replaces_the_workers_own() -> None:
     assert planned_additions("Audited 1 package in 3ms\nWould make no changes\n") == []
     with pytest.raises(EnvironmentFailed, match="would replace the worker's torch==2.13.0"):
         planned_additions(" - torch==2.13.0\n + torch==2.4.0\n")
+
+
+def test_environment_names_are_salted_per_host_and_the_folder_is_not_listable(tmp_path: Path) -> None:
+    """A job sees the environments folder (read-only, every sandbox): it must neither list it
+    (0711) nor compute another job's environment name from requirements it guesses (it runs
+    the same Python, so everything else in the name is known to it)."""
+    s = settings(tmp_path)
+    built = ensure_environment(s, ["tabulate==0.10.0"], tmp_path / "log")
+    root = s.cache_dir / "envs"
+    assert root.stat().st_mode & 0o777 == 0o711
+    salt = host_salt(s.cache_dir)
+    assert salt == host_salt(s.cache_dir) and len(salt) == 64  # kept: the build is reused
+    assert (s.cache_dir / "envs.salt").stat().st_mode & 0o777 == 0o600
+    assert not (root / "envs.salt").exists()  # beside the folder the sandboxes see, not in it
+    assert built.site.parent.name == environment_key(["tabulate==0.10.0"], s.env_installer_args, salt)
+    unsalted = environment_key(["tabulate==0.10.0"], s.env_installer_args, "")
+    assert built.site.parent.name != unsalted
+    again = ensure_environment(s, ["tabulate==0.10.0"], tmp_path / "log")
+    assert again.reused and again.site == built.site

@@ -102,8 +102,10 @@ def find_unreadable(
     *,
     what: str = "folder",
     bound: Sequence[str | Path] | None = None,
+    listed: bool = True,
 ) -> list[Unreadable]:
-    """unreadable_for's findings, with the folder to change and how."""
+    """unreadable_for's findings, with the folder to change and how. `listed=False`: a folder
+    the uid only needs to pass through (x), as the built environments' (0711)."""
     found: list[Unreadable] = []
     for path in map(Path, paths):
         try:
@@ -121,10 +123,14 @@ def find_unreadable(
                 found.append(_finding(what, path, uid, above, st, "x"))
                 break
         else:
-            need = READ | TRAVERSE if stat.S_ISDIR(own.st_mode) else READ
+            need = (READ if listed else 0) | TRAVERSE if stat.S_ISDIR(own.st_mode) else READ
             if allowed(own, uid, gid) & need != need:
-                found.append(_finding(what, path, uid, path, own, "rx" if need & TRAVERSE else "r"))
+                found.append(_finding(what, path, uid, path, own, _bits(need)))
     return found
+
+
+def _bits(need: int) -> str:
+    return ("r" if need & READ else "") + ("x" if need & TRAVERSE else "")
 
 
 def _finding(what: str, path: Path, uid: int, blocker: Path, st: os.stat_result, need: str) -> Unreadable:
@@ -165,16 +171,17 @@ def warn_unreadable(
     if owner is None:
         return []
     uid, gid = owner
-    groups: list[tuple[str, Sequence[Path]]] = [
-        (SCRIPT_ROOTS, settings.script_root_paths),
-        (PYTHONPATH, [Path(p) for p in rank_env.get("PYTHONPATH", "").split(":") if p]),
-        (PYTHON, [Path(p) for p in python_paths(python)]),
-        (ENVIRONMENTS, [envs_root(settings)]),
+    groups: list[tuple[str, Sequence[Path], bool]] = [
+        (SCRIPT_ROOTS, settings.script_root_paths, True),
+        (PYTHONPATH, [Path(p) for p in rank_env.get("PYTHONPATH", "").split(":") if p], True),
+        (PYTHON, [Path(p) for p in python_paths(python)], True),
+        (ENVIRONMENTS, [envs_root(settings)], False),  # passed through, never listed (0711)
     ]
     found: list[Unreadable] = []
-    for what, paths in groups:
+    for what, paths, listed in groups:
         seen = {item.path for item in found}  # a script root also on PYTHONPATH: said once
-        found += [f for f in find_unreadable(paths, uid, gid, what=what, bound=bound) if f.path not in seen]
+        mine = find_unreadable(paths, uid, gid, what=what, bound=bound, listed=listed)
+        found += [f for f in mine if f.path not in seen]
     for item in found:
         log.warning("%s: jobs that need it will fail; %s, or set TORCHJOBS_SANDBOX_USER to a user "
                     "who can read it", item, item.fix)  # fmt: skip

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from service.config import Settings
+from workers.environments import envs_root, prepare_envs_root
 from workers.launcher import lifeline, sandbox
 from workers.launcher.readable import SCRIPT_ROOTS, _checked_above, unreadable_for, warn_unreadable
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
@@ -167,3 +168,18 @@ def test_the_worker_warns_at_start_naming_the_folder_and_the_fix(
     assert warn_unreadable(userns, settings, rank_env, bound, sys.executable) == []
     assert warn_unreadable(sandbox.UNISOLATED, settings, rank_env, bound, sys.executable) == []
     assert caplog.records == []
+
+
+def test_the_environments_folder_needs_only_to_be_passed_through(base: Path) -> None:
+    """The built environments' folder is 0711 on purpose (a job may not list it): that is no
+    finding. Closed to others altogether (0700), the jobs with an environment fail: one is."""
+    settings = Settings(home=base / "home")
+    envs = prepare_envs_root(envs_root(settings))
+    for folder in (base / "home", settings.cache_dir):
+        folder.chmod(0o755)
+    iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap="bwrap", uid=NOBODY, gid=NOBODY)
+    bound = (*sandbox.python_paths(sys.executable), str(envs))
+    assert [f for f in warn_unreadable(iso, settings, {}, bound, sys.executable) if f.path == envs] == []
+    envs.chmod(0o700)
+    (found,) = [f for f in warn_unreadable(iso, settings, {}, bound, sys.executable) if f.path == envs]
+    assert found.fix == f"chmod o+x {envs}"

@@ -8,6 +8,7 @@ Python under /root. tests/integration/test_sandbox.py covers whole jobs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import pytest
 
 from service.nodes.values import NodeKey
 from service.testing.harness import free_port
+from workers.environments import prepare_envs_root
 from workers.launcher import lifeline, procs, sandbox
 from workers.launcher.agents import WarmAgentPool
 from workers.launcher.command import NodeLaunch, build_launch, resume_dir_of
@@ -341,3 +343,40 @@ def test_a_rank_server_serves_one_node_and_dies_with_it(tmp_path: Path) -> None:
     finally:
         pool.close()
     assert namespaces[0] != namespaces[1]
+
+
+ENVS_PROBE = r"""
+import json, os, sys
+envs = sys.argv[1]
+def listing():
+    try:
+        return sorted(os.listdir(envs))
+    except OSError as exc:
+        return exc.__class__.__name__
+print(json.dumps({
+    "listing": listing(),
+    "own": open(os.path.join(envs, "k-own", "site", "mine.py")).read(),
+    "guessed": os.path.exists(os.path.join(envs, "k-guess")),
+}))
+"""
+
+
+def test_a_job_reads_its_own_environment_and_cannot_list_the_others(tmp_path: Path) -> None:
+    """The built environments' folder as the worker prepares it (0711), bound read-only in a
+    sandbox as the root worker's: the rank reads its own environment by its name, and cannot
+    list the folder to learn which others the host holds."""
+    iso = _iso("bwrap-setuid")
+    envs = prepare_envs_root(tmp_path / "cache" / "envs")
+    for key in ("k-own", "k-other"):
+        (envs / key / "site").mkdir(parents=True)
+        (envs / key / "site" / "mine.py").write_text(f"# {key}\n")
+    mounts = _run_dir(tmp_path, iso, {"PATH": "/usr/bin:/bin"})
+    mounts = dataclasses.replace(mounts, read_only=(*mounts.read_only, str(envs)))  # as agent.py binds it
+    argv = sandbox.wrap([sys.executable, "-c", ENVS_PROBE, str(envs)], iso, mounts, sys.executable)
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, env={}, pass_fds=lifeline.pass_fds()
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen == {"listing": "PermissionError", "own": "# k-own\n", "guessed": False}
+    assert sorted(os.listdir(envs)) == ["k-other", "k-own"]  # the worker (root) still lists it
