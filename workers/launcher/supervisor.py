@@ -526,18 +526,26 @@ class NodeSupervisor:
         if part is not None and self.lead:
             self.awaiting.append((part, found.name))
 
-    def _list_awaiting(self, hooks: FolderHooks) -> None:
+    def _list_awaiting(self, hooks: FolderHooks, *, in_order: bool = True) -> None:
         """The awaiting parts listed in the order they were stored, up to the first that cannot
         be yet: checkpoints are listed in the order the ranks saved them, so the newest listed
         is the newest saved (`latest_checkpoint`, resume, `keep_checkpoints` go by that order).
         Listing a later one first, while another node still stores its part of an earlier one,
-        would make the earlier one the job's latest. On a failure the parts listed before it
-        are awaited no more, and it and those after it are tried again."""
-        while self.awaiting:
-            part, name = self.awaiting[0]
-            if hooks.try_list(part, checkpoint_meta(self.ckpt_meta.get(name), name)) is None:
-                return
-            self.awaiting.pop(0)
+        would make the earlier one the job's latest. `in_order=False` (every other node has
+        ended: what cannot be listed now never will be) lists every one that can, still in
+        order. On a failure the parts listed before it are awaited no more, and it and those
+        after it are tried again."""
+        waiting: list[tuple[int, str]] = []
+        try:
+            while self.awaiting:
+                part, name = self.awaiting[0]
+                if hooks.try_list(part, checkpoint_meta(self.ckpt_meta.get(name), name)) is None:
+                    if in_order:
+                        break
+                    waiting.append(self.awaiting[0])
+                self.awaiting.pop(0)
+        finally:
+            self.awaiting = waiting + self.awaiting
 
     def _await_listing(self) -> None:
         """Node 0, its ranks ended: its parts wait (bounded) for the other nodes' final looks,
@@ -551,7 +559,7 @@ class NodeSupervisor:
             time.sleep(0.5)
             peers_gone = self._peers_gone()
             try:
-                self._list_awaiting(hooks)
+                self._list_awaiting(hooks, in_order=not peers_gone)
             except Exception:
                 log.warning("job %s: could not list a folder checkpoint", self.key.job_id, exc_info=True)
                 continue

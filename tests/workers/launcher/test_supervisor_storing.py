@@ -333,3 +333,28 @@ def test_folders_are_listed_in_the_order_they_were_saved(tmp_path: Path) -> None
     argv = [sys.executable, "-c", TWO_DCP_FOLDERS, str(paths.checkpoints)]
     assert node(paths, argv, hooks).run().state == "succeeded"
     assert listed == [1, 2]
+
+
+def test_once_the_other_nodes_ended_a_folder_never_whole_holds_back_none_after_it(tmp_path: Path) -> None:
+    """In order, but not behind one that cannot be listed any more: every other node has
+    ended and the first folder is still not whole (a node failed before its last look), the
+    second is. The second is listed; the first is said never whole."""
+    paths = NodePaths(run_dir=tmp_path / "node")
+    parts = iter(range(1, 10))
+    listed: list[int] = []
+
+    def try_list(part: int, meta: dict[str, Any] | None) -> int | None:
+        if part == 1:
+            return None
+        listed.append(part)
+        return 100 + part
+
+    def store_part(name: str, version: int, files: Any, opener: Any) -> int:
+        for sig in files:
+            opener(sig).close()
+        return next(parts)
+
+    hooks = folder_hooks(store_part, try_list)
+    argv = [sys.executable, "-c", TWO_DCP_FOLDERS, str(paths.checkpoints)]
+    assert node(paths, argv, hooks).run().state == "succeeded"
+    assert listed == [2]
