@@ -283,18 +283,11 @@ for epoch in ("epoch-0001", "epoch-0002"):
 """
 
 
-def test_a_folder_listed_before_a_failed_try_is_not_tried_again(tmp_path: Path) -> None:
-    """Two folders awaiting: the first is listed, the second's try fails. The first is awaited
-    no more (tried again, its part gone, it would never answer and be reported never whole)."""
+def _two_folders_node(tmp_path: Path, try_list: Any) -> str:
+    """A node 0 whose ranks save two DCP folders; its parts are numbered 1, 2 as stored, and
+    `try_list` answers for the other nodes. The node's end state."""
     paths = NodePaths(run_dir=tmp_path / "node")
     parts = iter(range(1, 10))
-    tries: list[int] = []
-
-    def try_list(part: int, meta: dict[str, Any] | None) -> int | None:
-        tries.append(part)
-        if part == 2 and tries.count(2) == 1:
-            raise ConnectionError("the database is away")
-        return 100 + part
 
     def store_part(name: str, version: int, files: Any, opener: Any) -> int:
         for sig in files:
@@ -303,7 +296,21 @@ def test_a_folder_listed_before_a_failed_try_is_not_tried_again(tmp_path: Path) 
 
     hooks = folder_hooks(store_part, try_list)
     argv = [sys.executable, "-c", TWO_DCP_FOLDERS, str(paths.checkpoints)]
-    assert node(paths, argv, hooks).run().state == "succeeded"
+    return node(paths, argv, hooks).run().state
+
+
+def test_a_folder_listed_before_a_failed_try_is_not_tried_again(tmp_path: Path) -> None:
+    """Two folders awaiting: the first is listed, the second's try fails. The first is awaited
+    no more (tried again, its part gone, it would never answer and be reported never whole)."""
+    tries: list[int] = []
+
+    def try_list(part: int, meta: dict[str, Any] | None) -> int | None:
+        tries.append(part)
+        if part == 2 and tries.count(2) == 1:
+            raise ConnectionError("the database is away")
+        return 100 + part
+
+    assert _two_folders_node(tmp_path, try_list) == "succeeded"
     assert tries == [1, 2, 2]
 
 
@@ -311,8 +318,6 @@ def test_folders_are_listed_in_the_order_they_were_saved(tmp_path: Path) -> None
     """Two folders awaiting, the first not whole yet (another node still stores its part) when
     the second is: the second waits for it. Listed first, the older save would have become the
     job's latest checkpoint once it was listed in turn (seen in CI on a 2-host fsdp job)."""
-    paths = NodePaths(run_dir=tmp_path / "node")
-    parts = iter(range(1, 10))
     first_ready = False
     listed: list[int] = []
 
@@ -324,14 +329,7 @@ def test_folders_are_listed_in_the_order_they_were_saved(tmp_path: Path) -> None
         listed.append(part)
         return 100 + part
 
-    def store_part(name: str, version: int, files: Any, opener: Any) -> int:
-        for sig in files:
-            opener(sig).close()
-        return next(parts)
-
-    hooks = folder_hooks(store_part, try_list)
-    argv = [sys.executable, "-c", TWO_DCP_FOLDERS, str(paths.checkpoints)]
-    assert node(paths, argv, hooks).run().state == "succeeded"
+    assert _two_folders_node(tmp_path, try_list) == "succeeded"
     assert listed == [1, 2]
 
 
@@ -339,8 +337,6 @@ def test_once_the_other_nodes_ended_a_folder_never_whole_holds_back_none_after_i
     """In order, but not behind one that cannot be listed any more: every other node has
     ended and the first folder is still not whole (a node failed before its last look), the
     second is. The second is listed; the first is said never whole."""
-    paths = NodePaths(run_dir=tmp_path / "node")
-    parts = iter(range(1, 10))
     listed: list[int] = []
 
     def try_list(part: int, meta: dict[str, Any] | None) -> int | None:
@@ -349,12 +345,5 @@ def test_once_the_other_nodes_ended_a_folder_never_whole_holds_back_none_after_i
         listed.append(part)
         return 100 + part
 
-    def store_part(name: str, version: int, files: Any, opener: Any) -> int:
-        for sig in files:
-            opener(sig).close()
-        return next(parts)
-
-    hooks = folder_hooks(store_part, try_list)
-    argv = [sys.executable, "-c", TWO_DCP_FOLDERS, str(paths.checkpoints)]
-    assert node(paths, argv, hooks).run().state == "succeeded"
+    assert _two_folders_node(tmp_path, try_list) == "succeeded"
     assert listed == [2]
