@@ -133,15 +133,23 @@ def note_look(db: Database, key: NodeKey, horizon: int, busy: Sequence[str]) -> 
         row.looked_at, row.horizon, row.busy = utcnow(), horizon, list(busy[:1000])
 
 
+GONE = 0  # try_list: the part is awaited no more (listed already, or its job or attempt is gone)
+
+
 def try_list(
     db: Database, storage: Storage, key: NodeKey, part_id: int, nnodes: int, meta: dict[str, Any] | None
 ) -> int | None:
     """Node 0's part `part_id` as a Checkpoint with every node's files, once every node's part is
-    stored (or absent); None while one is not (try again later), or when the job is gone."""
+    stored (or absent): its id. None while one is not (try again later). `GONE` when the part
+    no longer exists: its job or attempt was removed, or a try whose commit answered with an
+    error had listed it. Node 0 lists its parts in order, so such a part must not wait forever
+    at the head of its list, holding back every later one."""
     with db.transaction() as session:
         job = lock_job(session, key.job_id)
         lead = repo.part(session, part_id)
-        if job is None or lead is None or lead.phase != "stored":
+        if job is None or lead is None:
+            return GONE
+        if lead.phase != "stored":
             return None
         parts = _others_ready(session, lead, nnodes)
         if parts is None:

@@ -119,6 +119,9 @@ def test_a_node_without_the_folder_counts_as_absent(db: Database, storage: Stora
     ckpt_id = folders.try_list(db, storage, n0, lead, 2, None)
     assert ckpt_id is not None
     assert [p for p, _, _ in listed_files(db, ckpt_id)] == ["trainer_state.json"]
+    # tried again (its first commit answered with an error): gone, not "later", so node 0,
+    # which lists in order, does not keep it at the head of its list for ever
+    assert folders.try_list(db, storage, n0, lead, 2, None) == folders.GONE
 
 
 def test_a_node_that_succeeded_before_node_0_saved_does_not_hold_the_listing(
