@@ -31,7 +31,7 @@ from workers import context, exec_endpoint
 from workers.celery_app import make_celery
 from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
-from workers.environments import envs_root, prepare_envs_root
+from workers.environments import envs_root, prepare_envs_root, remove_unsalted
 from workers.launcher import cgroups, devices, job_network, sandbox, uids
 from workers.launcher.command import NodePaths, code_folders, passthrough
 from workers.launcher.jobfiles import remove_tree
@@ -194,6 +194,7 @@ def run_worker(
             "killed %s process(es) left in job nodes' control groups by a previous worker process", killed
         )
     remove_stale_runs(ctx.run_root)  # before a spare sandbox is made there
+    remove_unsalted(settings.cache_dir)
     for cache in (settings.cache_dir / "code", envs_root(settings)):
         sweep_staging(cache)  # what a killed worker was building
     ctx.isolation = sandbox.detect(settings.sandbox, settings.sandbox_user)

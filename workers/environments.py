@@ -56,10 +56,12 @@ class BuiltEnvironment:
 
 
 SALT_FILE = "envs.salt"  # in the cache folder, beside (not in) the folder the sandboxes see
+LOCKS = "env-locks"  # the build locks, named by key: beside it too (a job could stat them)
+UNSALTED = "envs"  # the folder of the names before they were salted: removed at worker start
 
 
 def envs_root(settings: Settings) -> Path:
-    return settings.cache_dir / "envs"
+    return settings.cache_dir / "environments"
 
 
 def prepare_envs_root(root: Path) -> Path:
@@ -73,27 +75,49 @@ def prepare_envs_root(root: Path) -> Path:
     return root
 
 
+def remove_unsalted(cache_dir: Path) -> None:
+    """The environments built before their names were salted: a job can compute those names
+    (it runs the worker's Python), so the folder goes whole, at worker start."""
+    old = cache_dir / UNSALTED
+    if old.is_dir():
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def host_salt(cache_dir: Path) -> str:
     """This host's secret for environment names, made once and kept (0600, the worker's): the
     same requirements keep their built environment across worker restarts and between the
     workers sharing the cache. Made beside and linked into place, so two workers starting
-    together agree on one."""
+    together agree on one; an empty file (a full disk) is replaced, never taken as a salt."""
     path = cache_dir / SALT_FILE
-    with contextlib.suppress(FileNotFoundError):
-        if salt := path.read_text().strip():
+    for _ in range(3):
+        if salt := _read_salt(path):
             return salt
+        made = _new_salt(cache_dir)
+        try:
+            try:
+                os.link(made, path)
+            except FileExistsError:  # another worker's, or an empty one
+                if not _read_salt(path):
+                    os.replace(made, path)
+        finally:
+            made.unlink(missing_ok=True)
+    raise EnvironmentFailed(f"{path}: no secret for environment names could be kept there")
+
+
+def _read_salt(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def _new_salt(cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
-    made = path.with_name(f".{SALT_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+    made = cache_dir / f".{SALT_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
     fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(secrets.token_hex(32) + "\n")
-    try:
-        os.link(made, path)
-    except FileExistsError:
-        pass
-    finally:
-        made.unlink()
-    return path.read_text().strip()
+    return made
 
 
 @cache
@@ -127,7 +151,9 @@ def ensure_environment(settings: Settings, requirements: list[str], log: Path) -
     dest = root / key
     reused = (dest / READY).is_dir()
     if not reused:
-        with locked(root / f".{key}.lock"):
+        locks = settings.cache_dir / LOCKS
+        locks.mkdir(parents=True, exist_ok=True)
+        with locked(locks / f"{key}.lock"):
             reused = (dest / READY).is_dir()  # another node built it while this one waited
             if not reused:
                 _build(settings, requirements, dest, log)

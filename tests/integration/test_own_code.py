@@ -95,7 +95,7 @@ def test_own_code_runs_in_its_own_copy(embedded: harness.Stack, tmp_path: Path) 
     assert "their own workers package; their __init__ ran; 42" in log
     assert "cwd=/job/workdir" in log or f"cwd={embedded.home}" in log
     assert log.index("environment: building for tabulate==0.10.0") < log.index("their own workers package")
-    assert "tabulate 0.10.0 from " in log and "/envs/" in log
+    assert "tabulate 0.10.0 from " in log and "/environments/" in log
     assert cli(embedded, token, "code", "push", str(folder)) == job["code"]  # already there: not sent
     with embedded.client(token) as c:
         assert [item["id"] for item in c.get("/v1/code").json()["items"]] == [job["code"]]
@@ -168,7 +168,7 @@ def test_a_requirement_that_needs_another_torch_fails_its_job_and_not_its_neighb
         "entrypoint": {"kind": "script", "path": "probe.py", "args": []},
         "environment": {"pip": ["tabulate==0.10.0"]},
     }
-    envs = embedded.home / "cache" / "envs"
+    envs = embedded.home / "cache" / "environments"
     envs_before = {p for p in envs.glob("*") if not p.name.startswith(".")}
     bad, good = embedded.submit(other_torch), embedded.submit(neighbour)  # together, one worker
     failed, done = embedded.wait_job(bad["id"]), embedded.wait_job(good["id"])

@@ -377,7 +377,7 @@ def test_a_jobs_code_and_environment_are_read_only_to_another_users_job(
     )
     site = Path(found[1]).parent  # ENVS/KEY/site/tabulate: the same path on the host and inside
     environment = site.parent.parent
-    assert environment.parent == walled.home / "cache" / "envs", site
+    assert environment.parent == walled.home / "cache" / "environments", site
     (copy,) = walled.home.glob(f"runs/*/job-{holding['id']}/attempt-*/node-0/workdir")
     cached = walled.home / "cache" / "code" / hers
     assert (copy / "data.txt").is_file() and (cached / "data.txt").is_file()
@@ -399,7 +399,10 @@ def test_a_jobs_code_and_environment_are_read_only_to_another_users_job(
     assert len(tries) == 4 * len(targets), log
     for folder, how, result in tries:
         assert "WROTE" not in result, (folder, how)
-        if folder in (str(site), str(site.parent), str(environment.parent)):
+        if folder == str(environment.parent) and how == "overwrite":
+            # the environments' folder cannot be listed (0711): the walk names no file of it
+            assert result == "refused ENOENT", (folder, how, result)
+        elif folder in (str(site), str(site.parent), str(environment.parent)):
             assert result in ("refused EROFS", "refused EACCES"), (folder, how, result)  # seen, read-only
         else:  # her code copy and the worker's cache are not even in his view
             assert result in ("refused ENOENT", "refused EROFS", "refused EACCES"), (folder, how, result)

@@ -14,6 +14,7 @@ from workers.environments import (
     environment_key,
     host_salt,
     planned_additions,
+    remove_unsalted,
     worker_packages,
 )
 
@@ -44,7 +45,7 @@ def test_concurrent_nodes_wait_for_one_build_then_reuse_it(tmp_path: Path) -> No
     assert len(sites) == 1 and (next(iter(sites)) / "tabulate-0.10.0.dist-info").is_dir()
     text = "".join(log.read_text() for log in logs)
     assert text.count("environment: building") == 1 and text.count("environment: reusing") == 2
-    assert not list((s.cache_dir / "envs").glob(".*building*"))
+    assert not list((s.cache_dir / "environments").glob(".*building*"))
 
 
 def test_a_requirement_on_the_workers_own_torch_needs_no_admin_setting(tmp_path: Path) -> None:
@@ -77,7 +78,7 @@ def test_a_build_that_cannot_be_made_fails_with_uvs_reason(
     with pytest.raises(EnvironmentFailed) as failed:
         ensure_environment(s, [requirement], tmp_path / "log")
     assert reason in str(failed.value) and "unsatisfiable" in str(failed.value)
-    assert [p for p in (s.cache_dir / "envs").iterdir() if not p.name.startswith(".")] == []
+    assert [p for p in (s.cache_dir / "environments").iterdir() if not p.name.startswith(".")] == []
 
 
 def test_the_plan_adds_only_and_never_replaces_the_workers_own() -> None:
@@ -97,7 +98,7 @@ def test_environment_names_are_salted_per_host_and_the_folder_is_not_listable(tm
     the same Python, so everything else in the name is known to it)."""
     s = settings(tmp_path)
     built = ensure_environment(s, ["tabulate==0.10.0"], tmp_path / "log")
-    root = s.cache_dir / "envs"
+    root = s.cache_dir / "environments"
     assert root.stat().st_mode & 0o777 == 0o711
     salt = host_salt(s.cache_dir)
     assert salt == host_salt(s.cache_dir) and len(salt) == 64  # kept: the build is reused
@@ -106,5 +107,19 @@ def test_environment_names_are_salted_per_host_and_the_folder_is_not_listable(tm
     assert built.site.parent.name == environment_key(["tabulate==0.10.0"], s.env_installer_args, salt)
     unsalted = environment_key(["tabulate==0.10.0"], s.env_installer_args, "")
     assert built.site.parent.name != unsalted
+    assert [p.name for p in root.iterdir()] == [built.site.parent.name]  # no lock file there either
     again = ensure_environment(s, ["tabulate==0.10.0"], tmp_path / "log")
     assert again.reused and again.site == built.site
+
+
+def test_an_empty_salt_is_replaced_and_the_unsalted_folder_removed(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "envs.salt").write_text("")  # a full disk's leftover: never a salt
+    salt = host_salt(cache)
+    assert len(salt) == 64 and (cache / "envs.salt").read_text().strip() == salt
+    assert [p.name for p in cache.iterdir()] == ["envs.salt"]  # no temporary file left
+    old = cache / "envs" / "0123abcd" / "site"  # names a job could compute
+    old.mkdir(parents=True)
+    remove_unsalted(cache)
+    assert not (cache / "envs").exists()

@@ -366,7 +366,7 @@ def test_a_job_reads_its_own_environment_and_cannot_list_the_others(tmp_path: Pa
     sandbox as the root worker's: the rank reads its own environment by its name, and cannot
     list the folder to learn which others the host holds."""
     iso = _iso("bwrap-setuid")
-    envs = prepare_envs_root(tmp_path / "cache" / "envs")
+    envs = prepare_envs_root(tmp_path / "cache" / "environments")
     for key in ("k-own", "k-other"):
         (envs / key / "site").mkdir(parents=True)
         (envs / key / "site" / "mine.py").write_text(f"# {key}\n")
