@@ -137,22 +137,42 @@ def _pump_stdin(ws: ClientConnection, fd: int, before: Callable[[], None] | None
 
 
 class _TerminalSize:
-    """The local terminal's size, sent when it changed: from the SIGWINCH handler, and from the
-    stdin pump before each keystroke it sends. The handler runs in the main thread whenever
-    Python gets to it, so a line typed right after a resize could reach the remote shell first
-    (its `stty size` would print the old size); the pump's check keeps the order the user saw."""
+    """The local terminal's size, sent when it changed: by a thread of its own on SIGWINCH, and
+    by the stdin pump before each keystroke it sends (so a line typed right after a resize
+    never reaches the remote shell before the resize: its `stty size` would print the old one).
+
+    The handler only writes a byte to a pipe. Sending from the handler itself, in the main
+    thread, a burst of SIGWINCH (a window dragged) could run it again, nested, inside its own
+    send, and wait for ever on the socket's lock that the outer send holds."""
 
     def __init__(self, ws: ClientConnection, fd: int) -> None:
         self.ws, self.fd = ws, fd
         self.sent: tuple[int, int] | None = None
         self.lock = threading.Lock()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
 
-    def send_if_changed(self, *_: object) -> None:
+    def send_if_changed(self) -> None:
         with self.lock, contextlib.suppress(OSError, ConnectionClosed):
             cols, rows = os.get_terminal_size(self.fd)
             if (rows, cols) != self.sent:
                 self.ws.send(json.dumps({"resize": [rows, cols]}))
                 self.sent = (rows, cols)
+
+    def on_sigwinch(self, *_: object) -> None:
+        with contextlib.suppress(OSError):  # the pipe is full: a wake-up is pending already
+            os.write(self.wake_w, b"w")
+
+    def watch(self) -> None:
+        """The resize thread: one look at the size per wake-up, until `close`."""
+        try:
+            while os.read(self.wake_r, 512):
+                self.send_if_changed()
+        finally:
+            os.close(self.wake_r)
+
+    def close(self) -> None:
+        os.close(self.wake_w)  # the watcher reads the end of the pipe and ends
 
 
 def shell(url: str, token: str | None, job_id: int, cmd: str, node_rank: int, local_rank: int) -> int:
@@ -167,16 +187,21 @@ def shell(url: str, token: str | None, job_id: int, cmd: str, node_rank: int, lo
     with open_socket(url, token, f"/v1/jobs/{job_id}/exec", params) as ws:
         saved = termios.tcgetattr(fd) if interactive else None
         size = _TerminalSize(ws, fd) if interactive else None
+        previous: Any = None
         try:
             if size is not None:
                 tty.setraw(fd)
                 size.send_if_changed()
-                signal.signal(signal.SIGWINCH, size.send_if_changed)
+                threading.Thread(target=size.watch, daemon=True).start()
+                previous = signal.signal(signal.SIGWINCH, size.on_sigwinch)
             before = size.send_if_changed if size is not None else None
             threading.Thread(target=_pump_stdin, args=(ws, fd, before), daemon=True).start()
             out = sys.stdout.buffer
             code = _receive(ws, lambda data: (out.write(data), out.flush()))
         finally:
+            if size is not None:
+                signal.signal(signal.SIGWINCH, previous if previous is not None else signal.SIG_DFL)
+                size.close()
             if saved is not None:
                 termios.tcsetattr(fd, termios.TCSADRAIN, saved)
     return code
