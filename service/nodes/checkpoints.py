@@ -4,19 +4,10 @@ folder once every node's part is (contract §11); what is left of unlisted parts
 
 from __future__ import annotations
 
-from service.checkpoints.folders import (
-    GONE,
-    end_node,
-    note_look,
-    part_horizon,
-    resume_layout,
-    store_part,
-    try_list,
-)
+from service.checkpoints.folders import end_node, note_look, part_horizon, resume_layout, store_part, try_list
 from service.checkpoints.recording import store_rank_checkpoint
 
 __all__ = [
-    "GONE",
     "end_node",
     "note_look",
     "part_horizon",
