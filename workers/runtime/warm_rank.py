@@ -61,8 +61,6 @@ def preload() -> None:
     import workers.runtime.script
     import workers.runtime.trainer.train  # noqa: F401
 
-    with contextlib.suppress(ImportError):
-        import sklearn.datasets  # noqa: F401  (the digits data of the builtin trainer)
     if torch.initial_seed() == TORCH_FIXED_SEED:
         _torch_start_state.append(torch.get_rng_state())
     for make in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):

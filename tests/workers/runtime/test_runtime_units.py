@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +22,7 @@ from workers.runtime.trainer.data import (
     EpochBatchSampler,
     LoaderOptions,
     builtin_datasets,
+    digits_table,
     digits_tensors,
     synthetic_tensors,
     train_loader,
@@ -255,6 +259,28 @@ def test_digits_are_scaled_and_split_once() -> None:
     assert x_tr.dtype == torch.float32 and float(x_tr.min()) >= 0.0 and float(x_tr.max()) == 1.0
     assert set(y_tr.tolist()) == set(range(10))
     assert digits_tensors() is digits_tensors()  # cached
+
+
+def test_the_digits_table_is_scikit_learns_data_and_target() -> None:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    table = digits_table()
+    assert np.array_equal(table[:, :-1], bunch.data)
+    assert np.array_equal(table[:, -1].astype(np.int64), bunch.target)
+
+
+def test_digits_are_read_without_importing_scikit_learn() -> None:
+    """What the rank's CPU was spent on: the import, not the file (see `digits_table`)."""
+    probe = (
+        "import sys\n"
+        "from workers.runtime.trainer.data import digits_tensors\n"
+        "assert digits_tensors()[0].shape[0] == 1438\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_synthetic_data_is_deterministic_and_learnable_shaped() -> None:
