@@ -381,8 +381,17 @@ def production_stack(
     redis_url: str,
     workers: dict[str, int] | None = None,
     server_args: tuple[str, ...] = (),
+    warm: bool = True,
     **extra_env: str,
 ) -> Stack:
+    """`warm=False`: no warm spare (`TORCHJOBS_WARM_AGENT=false`), for a stack made for one test
+    whose subject is not the launch. A spare costs a second's import of torch in a torchrun
+    agent and in a rank server whether or not a job takes it, and a stack built for one test
+    leaves its last spare per worker unused: measured on 2 cores, three jobs one after another
+    cost 33-37 s of CPU warm and 26-27 s cold, no faster (each next job arrives while the
+    spare is still importing)."""
+    if not warm:
+        extra_env.setdefault("TORCHJOBS_WARM_AGENT", "false")
     env = make_env(
         home,
         TORCHJOBS_DATABASE_URL=pg_url,

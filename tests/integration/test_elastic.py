@@ -41,6 +41,7 @@ def stack(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Stack]:
         pg_url,
         redis_url,
         workers={"e1": 1, "e2": 1, "e3": 1},
+        warm=False,
         TORCHJOBS_HEARTBEAT_INTERVAL_S="1",
         TORCHJOBS_HEARTBEAT_TIMEOUT_S="5",
         TORCHJOBS_RESIZE_INTERVAL_S="3",

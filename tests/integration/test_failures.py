@@ -30,7 +30,7 @@ SHORT_SINGLE = {
 
 @pytest.fixture
 def stack(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Stack]:
-    s = harness.production_stack(tmp_path, pg_url, redis_url, workers={"w1": 2})
+    s = harness.production_stack(tmp_path, pg_url, redis_url, workers={"w1": 2}, warm=False)
     yield s
     s.stop()
 
@@ -115,7 +115,9 @@ def test_killed_worker_job_retries_from_checkpoint_to_identical_weights(
     """`timed`: checkpoints by time only (`checkpoint_every_s`, contract §8), so the worker
     dies mid-epoch and the retry starts from the middle of that epoch."""
     workers = {"w1": 2}
-    stack = harness.production_stack(tmp_path, pg_url, redis_url, workers, TORCHJOBS_SANDBOX=sandbox)
+    stack = harness.production_stack(
+        tmp_path, pg_url, redis_url, workers, warm=False, TORCHJOBS_SANDBOX=sandbox
+    )
     try:
         _killed_worker_retries(stack, sandboxed=sandbox == "auto", timed=timed)
     finally:
@@ -264,7 +266,7 @@ def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
 
 def test_redis_restart_mid_job(tmp_path: Path, pg_url: str, own_redis: OwnRedis) -> None:
     (tmp_path / "stack").mkdir()
-    stack = harness.production_stack(tmp_path / "stack", pg_url, own_redis.url, workers={"w1": 2})
+    stack = harness.production_stack(tmp_path / "stack", pg_url, own_redis.url, workers={"w1": 2}, warm=False)
     try:
         _jobs_outlive_a_broker_restart(stack, own_redis)
     finally:

@@ -19,7 +19,7 @@ from service.testing.harness import ADMIN_TOKEN, Stack
 
 @pytest.fixture
 def stack(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Stack]:
-    s = harness.production_stack(tmp_path, pg_url, redis_url, workers={"w1": 2, "w2": 2})
+    s = harness.production_stack(tmp_path, pg_url, redis_url, workers={"w1": 2, "w2": 2}, warm=False)
     yield s
     s.stop()
 

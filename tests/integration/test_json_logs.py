@@ -10,7 +10,7 @@ from service.testing import harness
 
 
 def test_server_and_worker_log_json_with_job_ids(tmp_path: Path, pg_url: str, redis_url: str) -> None:
-    stack = harness.production_stack(tmp_path, pg_url, redis_url, TORCHJOBS_LOG_JSON="1")
+    stack = harness.production_stack(tmp_path, pg_url, redis_url, warm=False, TORCHJOBS_LOG_JSON="1")
     try:
         job = stack.submit({"mode": "single", "entrypoint": {"kind": "script", "path": "fail.py"}})
         assert stack.wait_job(job["id"])["state"] == "failed"

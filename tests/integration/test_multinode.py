@@ -58,7 +58,7 @@ def two_hosts(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[tuple[Sta
     net = Network(tag=str(os.getpid() % 10000), subnet=f"10.231.{10 + worker}")
     net.up()
     stack = harness.production_stack(
-        tmp_path, pg_url, redis_url, workers={}, TORCHJOBS_RENDEZVOUS_TIMEOUT_S="20"
+        tmp_path, pg_url, redis_url, workers={}, warm=False, TORCHJOBS_RENDEZVOUS_TIMEOUT_S="20"
     )
     env = worker_env(stack, net, net.forward(5432), net.forward(6379))
     try:
@@ -147,7 +147,7 @@ def test_broken_network_between_hosts_fails_in_the_preflight_naming_the_node(two
 
 
 def test_mixed_queue_never_exceeds_any_host(tmp_path: Path, pg_url: str, redis_url: str) -> None:
-    stack = harness.production_stack(tmp_path, pg_url, redis_url, workers={"w1": 2, "w2": 2})
+    stack = harness.production_stack(tmp_path, pg_url, redis_url, workers={"w1": 2, "w2": 2}, warm=False)
     try:
         sizes = [(1, 2), (1, 1), (2, 2), (1, 2), (1, 1), (2, 2), (1, 1)]  # (nodes, gpus_per_node)
         jobs = []

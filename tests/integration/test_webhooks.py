@@ -40,6 +40,7 @@ def stack(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Stack]:
         pg_url,
         redis_url,
         workers={"w1": 2},
+        warm=False,
         TORCHJOBS_WEBHOOK_ALLOW_PRIVATE="true",
         TORCHJOBS_WEBHOOK_BACKOFF_INITIAL_S="0.2",
         TORCHJOBS_WEBHOOK_BACKOFF_MAX_S="1",

@@ -29,7 +29,9 @@ def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
         s.stop()
         return
     pg = harness.create_pg_database(migrated=True)
-    s = harness.production_stack(tmp_path, pg, f"{harness.REDIS_URL}/13", TORCHJOBS_STREAM_RECHECK_S="2")
+    s = harness.production_stack(
+        tmp_path, pg, f"{harness.REDIS_URL}/13", warm=False, TORCHJOBS_STREAM_RECHECK_S="2"
+    )
     yield s
     s.stop()
     harness.drop_pg_database(pg)
