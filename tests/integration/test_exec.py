@@ -437,7 +437,7 @@ def test_forward_to_an_http_server_the_job_started(stack: Stack, alice: str) -> 
 def _get_when_up(url: str) -> httpx.Response | None:
     """The job's server may not listen yet: the forward then closes the connection at once."""
     try:
-        return httpx.get(url, timeout=30)
+        return harness.local_get(url, timeout=30)
     except httpx.TransportError:
         return None
 

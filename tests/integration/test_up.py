@@ -134,7 +134,7 @@ def test_up_prints_its_url_and_token_location_on_stdout(tmp_path: Path) -> None:
 
 def _answers(url: str) -> bool:
     try:
-        return httpx.get(url, timeout=2).status_code == 200
+        return harness.local_get(url, timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -153,7 +153,9 @@ def test_up_keeps_the_components_logs_out_of_the_terminal(tmp_path: Path) -> Non
     logs = tmp_path / "logs"
     try:
         harness.wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), 60, "the API")
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=harness.auth()) as c:
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", headers=harness.auth(), verify=harness.local_tls()
+        ) as c:
             harness.wait_for(lambda: c.get("/v1/workers").json()["items"], 60, "the local worker")
         harness.wait_for(lambda: "ready" in (logs / "worker.log").read_text(), 30, "the worker's log")
     finally:
