@@ -379,9 +379,14 @@ def as_user(uid: int) -> tuple[str, ...]:
     return ("unshare", "--mount", "--propagation", "private", "sh", "-c", _AS_USER, "as-user", str(uid))
 
 
-def embedded_stack(home: Path, env: dict[str, str] | None = None, run_as: tuple[str, ...] = ()) -> Stack:
-    """`torchjobs up` with its local worker online; stopped again if it does not get there."""
-    env = env if env is not None else make_env(home)
+def embedded_stack(
+    home: Path, env: dict[str, str] | None = None, run_as: tuple[str, ...] = (), warm: bool = True
+) -> Stack:
+    """`torchjobs up` with its local worker online; stopped again if it does not get there.
+    `warm=False` as for `production_stack`."""
+    env = dict(env) if env is not None else make_env(home)
+    if not warm:
+        env.setdefault("TORCHJOBS_WARM_AGENT", "false")
     stack = Stack(home=home, env=env, port=free_port(), embedded=True, run_as=run_as)
     try:
         stack.start_server()

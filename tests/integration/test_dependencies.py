@@ -17,7 +17,7 @@ MLP = {"kind": "builtin", "model": "mlp", "dataset": "synthetic"}
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = harness.embedded_stack(tmp_path)
+    s = harness.embedded_stack(tmp_path, warm=False)
     yield s
     s.stop()
 

@@ -189,7 +189,7 @@ def test_an_unsandboxed_worker_is_readable_so_the_probe_can_see(tmp_path: Path) 
     jobs), the same probe finds the admin token. This is why test_sandbox's clean logs mean
     something; it is also what TORCHJOBS_ALLOW_UNISOLATED=true costs."""
     env = harness.make_env(tmp_path, TORCHJOBS_SANDBOX="off", TORCHJOBS_ALLOW_UNISOLATED="true")
-    stack = harness.embedded_stack(tmp_path, env)
+    stack = harness.embedded_stack(tmp_path, env, warm=False)
     try:
         bob = _user(stack, "bob")
         snoop = {**SNOOP_ENV, "SNOOP_WALK": "0", "SNOOP_TARGETS": _targets(stack)}
@@ -208,7 +208,7 @@ def test_an_unsandboxed_worker_is_readable_so_the_probe_can_see(tmp_path: Path) 
 
 def test_an_unsandboxed_worker_takes_only_the_admins_jobs(tmp_path: Path) -> None:
     env = harness.make_env(tmp_path, TORCHJOBS_SANDBOX="off")
-    stack = harness.embedded_stack(tmp_path, env)
+    stack = harness.embedded_stack(tmp_path, env, warm=False)
     try:
         bob = _user(stack, "bob")
         spec = {"mode": "single", "entrypoint": {"kind": "script", "path": "hello.py"}}

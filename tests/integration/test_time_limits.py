@@ -15,7 +15,7 @@ from service.testing.harness import Stack, pids_of_job, wait_event
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = harness.embedded_stack(tmp_path)
+    s = harness.embedded_stack(tmp_path, warm=False)
     yield s
     s.stop()
 

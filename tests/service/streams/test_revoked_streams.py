@@ -24,7 +24,9 @@ LONG = {"mode": "single", "entrypoint": {"kind": "script", "path": "progress.py"
 @pytest.fixture(params=["embedded", "production"])
 def stack(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Stack]:
     if request.param == "embedded":
-        s = harness.embedded_stack(tmp_path, harness.make_env(tmp_path, TORCHJOBS_STREAM_RECHECK_S="2"))
+        s = harness.embedded_stack(
+            tmp_path, harness.make_env(tmp_path, TORCHJOBS_STREAM_RECHECK_S="2"), warm=False
+        )
         yield s
         s.stop()
         return
