@@ -10,6 +10,7 @@ import builtins
 import contextlib
 import json
 import os
+import ssl
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -45,6 +46,17 @@ _retry_connect = retry(
 )
 
 
+def tls_for(url: str) -> ssl.SSLContext | bool:
+    """httpx's own context (certifi's trust anchors) for an https API; for plain http, a
+    context that trusts nothing. The client sends only to its base URL and follows no
+    redirect, so over http that context is never used, and were it ever, it would fail closed.
+    httpx builds its default context at once, whether used or not: 44 ms of CPU (certifi's
+    bundle parsed) in every CLI command, against 0.4 ms for this one."""
+    if url.strip().lower().startswith("https://"):
+        return True
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
 class Client:
     def __init__(
         self,
@@ -56,7 +68,11 @@ class Client:
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(
-            base_url=url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
+            base_url=url.rstrip("/"),
+            headers=headers,
+            timeout=timeout,
+            transport=transport,
+            verify=tls_for(url),
         )
 
     def close(self) -> None:
