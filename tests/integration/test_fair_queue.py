@@ -73,14 +73,26 @@ def started(job: dict[str, Any]) -> datetime:
     return datetime.fromisoformat(job["attempts"][0]["started_at"])
 
 
+def judged(stack: Stack, job_id: int) -> dict[str, Any]:
+    """The job once a scheduler pass has given it a reason (a new job says "waiting for the
+    scheduler" until then: read once, a second after the submit, a loaded CI machine's pass
+    had not come yet). Alice's last job stays queued for two of her jobs' whole runs."""
+    with stack.client() as c:
+
+        def seen() -> dict[str, Any] | None:
+            job: dict[str, Any] = c.get(f"/v1/jobs/{job_id}").json()
+            return None if job["pending_reason"] == "waiting for the scheduler" else job
+
+        return harness.wait_for(seen, 30, f"a scheduler pass over job {job_id}")
+
+
 def test_a_quota_holds_alice_to_two_gpus_while_bobs_jobs_start(stack: Stack) -> None:
     alice, bob = user(stack, "alice", gpu_quota=2), user(stack, "bob")
     with GpuSampler(stack) as sampler:
         alices = [stack.submit(single(3), token=alice)["id"] for _ in range(6)]
         time.sleep(1.0)
         bobs = [stack.submit(single(3), token=bob)["id"] for _ in range(2)]
-        with stack.client() as c:
-            waiting = c.get(f"/v1/jobs/{alices[-1]}").json()
+        waiting = judged(stack, alices[-1])
         done = {j: stack.wait_job(j, timeout=400) for j in alices + bobs}
     assert all(d["state"] == "succeeded" for d in done.values()), [d["error"] for d in done.values()]
     assert sampler.peaks.get("alice") == 2, sampler.peaks

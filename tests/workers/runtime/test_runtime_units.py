@@ -270,6 +270,23 @@ def test_the_digits_table_is_scikit_learns_data_and_target() -> None:
     assert np.array_equal(table[:, -1].astype(np.int64), bunch.target)
 
 
+def test_where_the_file_is_not_in_a_folder_of_the_package_load_digits_reads_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An editable install's spec names a loader, not the package's folder (reviewed: the
+    path built from it did not exist and the job failed where `load_digits` works)."""
+    import importlib.machinery
+
+    from sklearn.datasets import load_digits
+
+    editable = importlib.machinery.ModuleSpec("sklearn", None, origin=str(tmp_path / "loader.py"))
+    editable.submodule_search_locations = [str(tmp_path / "loader.py" / "sklearn")]
+    monkeypatch.setattr("workers.runtime.trainer.data.importlib.util.find_spec", lambda name: editable)
+    table = digits_table()
+    bunch = load_digits()
+    assert np.array_equal(table[:, :-1], bunch.data) and np.array_equal(table[:, -1], bunch.target)
+
+
 def test_digits_are_read_without_importing_scikit_learn() -> None:
     """What the rank's CPU was spent on: the import, not the file (see `digits_table`)."""
     probe = (

@@ -62,13 +62,21 @@ def digits_table() -> np.ndarray:
     `load_digits` reads them, without importing scikit-learn: `sklearn.datasets` costs a rank
     1.5-1.9 s of CPU (scipy, its validators) against 0.03 s for the file, on every rank of every
     digits job and in every warm spare. `find_spec` locates the package without running it, and
-    finds a job's own scikit-learn first when its environment has one, as the import did."""
+    finds a job's own scikit-learn first when its environment has one, as the import did. Where
+    the file is not in a folder of the package (an editable install's loader), `load_digits`."""
     spec = importlib.util.find_spec("sklearn")
-    if spec is None or not spec.submodule_search_locations:
+    if spec is None:
         raise ModuleNotFoundError("the digits dataset ships with scikit-learn: install it", name="sklearn")
-    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
-    with gzip.open(path, "rt") as rows:
-        return np.loadtxt(rows, delimiter=",")
+    folders = [*(spec.submodule_search_locations or ()), *([Path(spec.origin).parent] if spec.origin else [])]
+    for folder in folders:
+        path = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            with gzip.open(path, "rt", encoding="utf-8") as rows:
+                return np.loadtxt(rows, delimiter=",")
+    from sklearn.datasets import load_digits  # the slow way, where the file is not laid out so
+
+    bunch = load_digits()
+    return np.column_stack([bunch.data, bunch.target])
 
 
 @functools.lru_cache(maxsize=4)
