@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from service.client.api import tls_for
 from service.states import JobState
 
 PG_ADMIN_URL = os.environ.get("TORCHJOBS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -149,18 +149,11 @@ def torchjobs_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "service.cli.main", *args]
 
 
-@functools.cache
-def local_tls() -> ssl.SSLContext:
-    """The one TLS context of every client the tests make. httpx builds a context for each
-    client it is not given one (certifi's bundle parsed and loaded: 44 ms of CPU on the AMD
-    machine, 0.4 ms with this), and the stacks' pollers made clients several times a second,
-    on the cores the jobs train on. The stacks answer plain HTTP: the context is never used."""
-    return httpx.create_ssl_context()
-
-
 def local_get(url: str, **kwargs: Any) -> httpx.Response:
-    """`httpx.get` with `local_tls()`."""
-    return httpx.get(url, verify=local_tls(), **kwargs)
+    """`httpx.get` with the client's TLS choice (`tls_for`): httpx otherwise builds a context
+    per call (certifi's bundle parsed: 44 ms of CPU on the AMD machine), and the stacks'
+    pollers called several times a second, on the cores the jobs train on."""
+    return httpx.get(url, verify=tls_for(url), **kwargs)
 
 
 @dataclass
@@ -181,7 +174,10 @@ class Stack:
 
     def client(self, token: str = ADMIN_TOKEN) -> httpx.Client:
         return httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=30, verify=local_tls()
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+            verify=tls_for(self.url),
         )
 
     def _spawn(

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 
+from service.client.api import tls_for
 from service.testing import harness
 from service.testing.harness import pids_of_job, wait_event
 
@@ -154,7 +155,9 @@ def test_up_keeps_the_components_logs_out_of_the_terminal(tmp_path: Path) -> Non
     try:
         harness.wait_for(lambda: _answers(f"http://127.0.0.1:{port}/healthz"), 60, "the API")
         with httpx.Client(
-            base_url=f"http://127.0.0.1:{port}", headers=harness.auth(), verify=harness.local_tls()
+            base_url=f"http://127.0.0.1:{port}",
+            headers=harness.auth(),
+            verify=tls_for(f"http://127.0.0.1:{port}"),
         ) as c:
             harness.wait_for(lambda: c.get("/v1/workers").json()["items"], 60, "the local worker")
         harness.wait_for(lambda: "ready" in (logs / "worker.log").read_text(), 30, "the worker's log")
