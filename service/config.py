@@ -65,14 +65,18 @@ class Settings(BaseSettings):
     # whenever the worker can, "off" never does (the worker then says isolation "none").
     sandbox: Literal["auto", "off"] = "auto"
     sandbox_user: str = "torchjobs-run"  # a root worker's ranks run as this user (else nobody)
-    # (contract §7 v3) "private": a single-node job's sandbox has a network namespace of its
-    # own (its ranks meet on its own loopback; no host service, no other job, and no route
-    # out); "routed": the same namespace with a routed veth of its own, the world reachable and
-    # the host, other jobs and private ranges walled (a root worker with nftables:
-    # workers/launcher/job_network.py); "host": every job on the host's network, as before v3.
-    # Multi-node jobs use the host's network either way (docs/security.md, "Network").
+    # (contract §7 v3) "private": a job node's sandbox has a network namespace of its own (a
+    # single-node job's ranks meet on its own loopback; a multi-node job's nodes, on a root
+    # worker, over a veth each with a route to each other and to nothing else; no host service,
+    # no other job, and no route out); "routed": the same namespaces, the world routed and
+    # masqueraded and the host, other jobs and private ranges walled (a root worker with
+    # nftables: workers/launcher/job_network.py); "host": every job on the host's network, as
+    # before v3 (docs/security.md, "Network").
     job_network: Literal["private", "routed", "host"] = "private"
-    job_subnet: str = "10.213.0.0/16"  # "routed": a /30 of it per job node on each host
+    # this host's job subnet (a /30 of it per job node); unset: the control plane gives each
+    # host address a /24 of the pool (service/hosts/subnets.py), unique in the cluster
+    job_subnet: str | None = None
+    job_subnet_pool: str = "10.213.0.0/16"
     job_network_allow: str = ""  # "routed": CIDR or CIDR:PORT, comma-separated, opened in the walled ranges
     # a root worker's job nodes each run as a uid of their own from this range (never reused
     # while a process of it lives; workers/launcher/uids.py); "off": all as sandbox_user

@@ -33,6 +33,7 @@ MARKS: dict[str, tuple[str, ...]] = {
     "integration/test_metrics_sweeps.py": _INTEGRATION,
     "integration/test_multinode.py": _INTEGRATION,
     "integration/test_own_code.py": _INTEGRATION,
+    "integration/test_private_mesh.py": _INTEGRATION,
     "integration/test_routed_network.py": _INTEGRATION,
     "integration/test_preemption.py": (*_INTEGRATION, "fault"),
     "integration/test_sandbox.py": (*_INTEGRATION, "fault"),

@@ -135,18 +135,41 @@ def announce_isolation(iso: Isolation, settings: Settings) -> None:
                     "(TORCHJOBS_ALLOW_UNISOLATED=true takes everyone's)", iso.detail)  # fmt: skip
 
 
-def prepare_job_network(iso: Isolation, settings: Settings) -> None:
-    """`TORCHJOBS_JOB_NETWORK=routed`: the host's rules and forwarding, or the worker does not
-    start (a job must never get a weaker wall than the admin asked for)."""
-    if settings.job_network != "routed":
-        return
-    if not iso.sandboxed:
-        raise SystemExit("TORCHJOBS_JOB_NETWORK=routed needs the sandbox, and ranks cannot be sandboxed here")
-    try:
-        job_network.prepare_host(settings.job_subnet, settings.job_network_allow)
-    except job_network.NetworkUnavailable as exc:
-        raise SystemExit(f"TORCHJOBS_JOB_NETWORK=routed: {exc}") from exc
-    log.info("single-node jobs get routed networks from %s (nftables: inet torchjobs)", settings.job_subnet)
+def prepare_job_network(ctx: WorkerContext) -> None:
+    """The host's side of its jobs' networks (contract §7 v3). `routed`: the host's rules and
+    forwarding, or the worker does not start (a job must never get a weaker wall than the
+    admin asked for). `private`: multi-node jobs' meshes where the worker can make them; where
+    it cannot (not root), it says so, and their nodes keep the host's network."""
+    settings, iso = ctx.settings, ctx.isolation
+    if settings.job_network == "routed":
+        if not iso.sandboxed:
+            raise SystemExit(
+                "TORCHJOBS_JOB_NETWORK=routed needs the sandbox, and ranks cannot be sandboxed here"
+            )
+        try:
+            ctx.job_subnet = job_subnet(ctx)
+            job_network.prepare_host(ctx.job_subnet, settings.job_network_allow)
+        except (job_network.NetworkUnavailable, hosts.NoSubnet) as exc:
+            raise SystemExit(f"TORCHJOBS_JOB_NETWORK=routed: {exc}") from exc
+        ctx.node_meshes = True
+        log.info("job nodes get routed networks from %s (nftables: inet torchjobs)", ctx.job_subnet)
+    elif settings.job_network == "private" and iso.sandboxed:
+        try:
+            job_network.prepare_private()
+            ctx.job_subnet = job_subnet(ctx)
+        except (job_network.NetworkUnavailable, hosts.NoSubnet) as exc:
+            log.warning("multi-node jobs run on the host's network here (%s): they can reach what "
+                        "this host can (docs/security.md, Network)", exc)  # fmt: skip
+            return
+        ctx.node_meshes = True
+        log.info("multi-node jobs' nodes get networks of their own from %s", ctx.job_subnet)
+
+
+def job_subnet(ctx: WorkerContext) -> str:
+    """The admin's `TORCHJOBS_JOB_SUBNET` for this host, else the one the control plane gives."""
+    if ctx.settings.job_subnet:
+        return ctx.settings.job_subnet
+    return hosts.subnet_of_host(ctx.db, ctx.address, ctx.settings.job_subnet_pool)
 
 
 class Heartbeat(threading.Thread):
@@ -200,7 +223,7 @@ def run_worker(
     ctx.isolation = sandbox.detect(settings.sandbox, settings.sandbox_user)
     ctx.uids, ctx.isolation = job_uids(ctx.isolation, settings)
     announce_isolation(ctx.isolation, settings)
-    prepare_job_network(ctx.isolation, settings)
+    prepare_job_network(ctx)
     ctx.rank_base_env = passthrough(os.environ, settings.rank_env_allow)
     if ctx.isolation.sandboxed:  # the Python environment, script roots, a passed PYTHONPATH
         folders = code_folders(settings.script_root_paths, ctx.rank_base_env)

@@ -35,6 +35,10 @@ class WorkerContext:
     sandbox_read_only: tuple[str, ...] = ()  # what every sandbox of this worker binds read-only
     uids: UidPool | None = None  # a uid per job node (a root worker's sandbox), else None
     cgroups: Hierarchy | None = None  # where each node's control groups are made (None: none)
+    # this host's job subnet (routed, or a private mesh), and whether a multi-node job's nodes
+    # get networks of their own (workers/node_mesh.py; else they keep the host's)
+    job_subnet: str | None = None
+    node_meshes: bool = False
 
     @property
     def run_root(self) -> Path:

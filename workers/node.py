@@ -110,9 +110,8 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
 
 
 def _meets_over_veth(ctx: WorkerContext, launch: NodeLaunch) -> bool:
-    """A multi-node job on a worker of routed job networks, in the sandbox (node_mesh.py)."""
-    routed = ctx.settings.job_network == "routed" and ctx.isolation.sandboxed
-    return routed and launch.nnodes > 1
+    """A multi-node job on a worker that gives them networks of their own (node_mesh.py)."""
+    return ctx.node_meshes and ctx.isolation.sandboxed and launch.nnodes > 1
 
 
 def _folder_hooks(ctx: WorkerContext, key: NodeKey, nnodes: int) -> FolderHooks:
@@ -204,7 +203,7 @@ def _launch(
         site_first=_environment(ctx, key, claimed.pip, run_dir) if claimed.pip else None,
         worker_slots=ctx.gpus,
         private_network=ctx.settings.job_network in ("private", "routed"),
-        routed_subnet=ctx.settings.job_subnet if ctx.settings.job_network == "routed" else None,
+        routed_subnet=ctx.job_subnet if ctx.settings.job_network == "routed" else None,
     )
 
 

@@ -1,12 +1,16 @@
-"""A routed multi-node job's nodes meet (contract §7 v3, `TORCHJOBS_JOB_NETWORK=routed`).
+"""A multi-node job's nodes meet (contract §7 v3, `TORCHJOBS_JOB_NETWORK` `routed` or the
+default `private` on a root worker).
 
 Each node's ranks run in a network namespace of their own, as a single-node job's do, with a
-veth from its host's `TORCHJOBS_JOB_SUBNET`. Before any of its ranks starts, a node makes that
+veth from its host's job subnet (`TORCHJOBS_JOB_SUBNET`, else the /24 the control plane gave
+the host: service.hosts.subnets). Before any of its ranks starts, a node makes that
 veth (so its address is known), says the address on its row, waits until every node of the
 attempt has said one, then opens the job's mesh on its host (job_mesh.py): its elements in the
 host's walls, and a /32 route to each node on another host through that host's address.
 Node 0's address is the rendezvous. No other job, and nothing of any host,
-is reachable from the ranks (job_network.py); the world is, as for single-node jobs.
+is reachable from the ranks (job_network.py). Routed, the world is, as for single-node jobs,
+through nftables' walls; private (no nftables needed), a node's namespace has a route to each
+of its peers and to nothing else, so there is nothing to wall.
 
 Why addresses published through the database rather than derived: the worker hosts know each
 other only through the control plane, and a /30 is taken on its host by whichever node makes
@@ -17,6 +21,7 @@ out is refused, and the node fails saying so.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import socket
 import time
@@ -57,9 +62,11 @@ class JoinedMesh:
 
 def join(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> JoinedMesh:
     """This node's veth, its address said, every other node's awaited, the mesh opened."""
-    subnet = ctx.settings.job_subnet
+    subnet, walled = ctx.job_subnet, ctx.settings.job_network == "routed"
+    assert subnet is not None, "a mesh is joined only where the worker has a job subnet"
+    elements = walled or job_network.mesh_elements()
     try:
-        veth = job_network.reserve(subnet)
+        veth = job_network.reserve(subnet, elements)
     except job_network.NetworkUnavailable as exc:
         raise MeshFailed(f"its network could not be made: {exc}") from exc
     joined = JoinedMesh(veth=veth, mesh=None, master_address=veth.job_address)
@@ -68,7 +75,9 @@ def join(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> JoinedMesh:
         nodes = _await_all(ctx, key, timeout_s)
         joined.master_address = nodes[0].job_address
         joined.hosts = _hosts(key, nodes)
-        joined.mesh = job_mesh.Mesh(veth, _peers(key, nodes, subnet))
+        peers = _peers(key, nodes, subnet)
+        joined.veth = dataclasses.replace(veth, gateway=walled, peers=tuple(p.job_address for p in peers))
+        joined.mesh = job_mesh.Mesh(veth, peers, walled, elements)
         joined.mesh.open()
     except job_network.NetworkUnavailable as exc:
         joined.close()
@@ -130,8 +139,8 @@ def _peers(key: NodeKey, nodes: list[MeshNode], subnet: str) -> list[job_mesh.Pe
         elif held_here:
             raise MeshFailed(
                 f"node {node.node_rank}'s address {address} (on host {node.host_address}) is in this "
-                f"host's TORCHJOBS_JOB_SUBNET {subnet} or on one of its job veths: give each worker "
-                "host a subnet of its own",
+                f"host's job subnet {subnet} or on one of its job veths: each worker host needs a job "
+                "subnet of its own (leave TORCHJOBS_JOB_SUBNET unset: the control plane gives one)",
                 retryable=False,
             )
         else:
@@ -146,6 +155,6 @@ def _routable(node: MeshNode) -> None:
     except ValueError:
         raise MeshFailed(
             f"node {node.node_rank}'s worker address {node.host_address!r} is not an IPv4 address: a "
-            "routed multi-node job is routed through it (give workers --address as one)",
+            "multi-node job's own network is routed through it (give workers --address as one)",
             retryable=False,
         ) from None

@@ -9,7 +9,7 @@ from datetime import datetime
 from sqlalchemy import Integer, Row, bindparam, func, select, update
 from sqlalchemy.orm import Session
 
-from service.models import DataVersion, GpuAllocation, Job, NodeRun, Worker
+from service.models import DataVersion, GpuAllocation, HostSubnet, Job, NodeRun, Worker
 from service.states import JobState, WorkerState
 
 
@@ -203,3 +203,18 @@ def job_facts(
         Job.preempted_by,
     ).where(Job.id.in_(sorted(job_ids)))
     return session.execute(query).all()
+
+
+def host_subnet(session: Session, address: str) -> str | None:
+    found = session.execute(select(HostSubnet.subnet).where(HostSubnet.address == address))
+    return found.scalar_one_or_none()
+
+
+def taken_subnets(session: Session) -> set[str]:
+    return set(session.execute(select(HostSubnet.subnet)).scalars())
+
+
+def add_host_subnet(session: Session, address: str, subnet: str) -> None:
+    """Flushed at once: a unique clash (another host took it meanwhile) raises here."""
+    session.add(HostSubnet(address=address, subnet=subnet))
+    session.flush()

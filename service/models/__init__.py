@@ -16,7 +16,7 @@ from service.models.jobs import (
 from service.models.metrics import MetricName, MetricPoint, SweepRung
 from service.models.users import User
 from service.models.webhooks import Webhook, WebhookAttempt, WebhookDelivery
-from service.models.workers import DataVersion, Worker
+from service.models.workers import DataVersion, HostSubnet, Worker
 
 __all__ = [
     "Base",
@@ -27,6 +27,7 @@ __all__ = [
     "CodeArchive",
     "DataVersion",
     "GpuAllocation",
+    "HostSubnet",
     "Job",
     "JobAttempt",
     "JobDependency",

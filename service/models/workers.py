@@ -54,3 +54,14 @@ class DataVersion(Base):
 
     name: Mapped[str] = mapped_column(String(32), primary_key=True)
     version: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class HostSubnet(Base):
+    """A worker host's job subnet (contract §7 v3): a /24 of `TORCHJOBS_JOB_SUBNET_POOL` per
+    host address, given once and kept, so that no two hosts of the cluster hand out the same
+    job address (a multi-node job's nodes route to each other's: workers/node_mesh.py)."""
+
+    __tablename__ = "host_subnets"
+
+    address: Mapped[str] = mapped_column(String(255), primary_key=True)
+    subnet: Mapped[str] = mapped_column(String(45), unique=True)

@@ -61,6 +61,10 @@ def two_hosts(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[tuple[Sta
         tmp_path, pg_url, redis_url, workers={}, warm=False, TORCHJOBS_RENDEZVOUS_TIMEOUT_S="20"
     )
     env = worker_env(stack, net, net.forward(5432), net.forward(6379))
+    # the hosts' job subnets (multi-node jobs' own networks) out of every range the machine's
+    # own jobs use: the bridge between the hosts runs through the root namespace, whose
+    # torchjobs walls (br_netfilter) would masquerade 10.213/16 as it crosses
+    env["TORCHJOBS_JOB_SUBNET_POOL"] = f"10.{232 + worker}.0.0/16"
     try:
         yield stack, net, env
     finally:
@@ -125,7 +129,9 @@ def test_broken_network_between_hosts_fails_in_the_preflight_naming_the_node(two
     stack, net, env = two_hosts
     for name in ("hosta", "hostb"):
         address = net.add_host(name)
-        host_env = {**env, "TORCHJOBS_PREFLIGHT_TIMEOUT_S": "10"}
+        # the host's network (where the hosts' own interfaces are the ranks'): a job node's own
+        # network sets gloo's interface itself (eth0), so no worker setting can misdirect it
+        host_env = {**env, "TORCHJOBS_PREFLIGHT_TIMEOUT_S": "10", "TORCHJOBS_JOB_NETWORK": "host"}
         if name == "hostb":
             net.add_isolated_interface(name, "tjx0", "10.99.0.2")
             host_env["GLOO_SOCKET_IFNAME"] = "tjx0"

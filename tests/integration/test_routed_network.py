@@ -75,22 +75,27 @@ while True:
 """
 
 
-def test_a_routed_two_host_job_meets_over_its_own_addresses_and_reaches_no_host(two_hosts) -> None:
-    """Two hosts (network namespaces), each worker routed with a job subnet of its own: the
-    job's two nodes meet at node 0's own address and all-reduce; neither reaches a service on
-    either host (a listener on host a, host b's address, PostgreSQL through the LAN gateway)."""
+@pytest.mark.parametrize("network", ["routed", "private"])
+def test_a_two_host_job_meets_over_its_own_addresses_and_reaches_no_host(two_hosts, network: str) -> None:
+    """Two hosts (network namespaces): routed, each worker with a job subnet its admin gave it;
+    private (the default), each with the /24 the control plane gave its address. The job's two
+    nodes meet at node 0's own address and all-reduce; neither reaches a service on either host
+    (a listener on host a, host b's address, PostgreSQL through the LAN gateway)."""
     stack, net, env = two_hosts
     addresses = {}
     for index, name in enumerate(("hosta", "hostb")):
         addresses[name] = net.add_host(name)
-        routed = {**env, "TORCHJOBS_JOB_NETWORK": "routed", "TORCHJOBS_JOB_SUBNET": f"10.240.{index}.0/24"}
-        stack.start_worker(name, 1, address=addresses[name], extra_env=routed, netns=net.namespace(name))
+        if network == "routed":
+            extra = {**env, "TORCHJOBS_JOB_NETWORK": "routed", "TORCHJOBS_JOB_SUBNET": f"10.240.{index}.0/24"}
+        else:
+            extra = {**env, "TORCHJOBS_JOB_NETWORK": "private"}
+        stack.start_worker(name, 1, address=addresses[name], extra_env=extra, netns=net.namespace(name))
     listener = subprocess.Popen(
         ["ip", "netns", "exec", net.namespace("hosta"), sys.executable, "-c", HOST_LISTENER]
     )
     try:
         pg = f"{net.gateway}:{urlparse(env['TORCHJOBS_DATABASE_URL']).port}"
-        walled = [f"{addresses['hosta']}:9000", f"{addresses['hostb']}:9000", pg]
+        walled = [f"{addresses['hosta']}:9000", f"{addresses['hostb']}:9000", pg, "VIA:9000"]
         job = stack.submit(
             {
                 "mode": "ddp",
@@ -112,7 +117,8 @@ def test_a_routed_two_host_job_meets_over_its_own_addresses_and_reaches_no_host(
         listener.wait()
     assert seen[0]["sum"] == seen[1]["sum"] == 3.0, seen
     node0_host = next(a["worker"] for a in done["assignments"] if a["node_rank"] == 0)
-    assert seen[0]["master"].startswith("10.240.0." if node0_host == "hosta" else "10.240.1."), seen
+    prefix = "10.240." if network == "routed" else env["TORCHJOBS_JOB_SUBNET_POOL"].removesuffix("0.0/16")
+    assert seen[0]["master"].startswith(prefix + ("0." if node0_host == "hosta" else "1.")), seen
     assert seen[1]["peer"] == "peer", seen  # its own other node, at that node's own address
     for node in (0, 1):
         for target in walled:

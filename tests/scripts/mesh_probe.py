@@ -3,7 +3,8 @@
 `python mesh_probe.py HOST:PORT ...` under torchrun, `ddp` on 2 nodes of 1 rank: the ranks
 meet over gloo and all-reduce (their own nodes reach each other), rank 0 listens on
 MESH_PORT and rank 1 connects to it at MASTER_ADDR (node 0's own address), and every rank
-tries each HOST:PORT given (the hosts' services: none may answer)."""
+tries each HOST:PORT given (the hosts' services: none may answer); `VIA:PORT` is the host's
+end of the node's own veth (the gateway its routes name)."""
 
 import json
 import os
@@ -25,6 +26,15 @@ def reach(host: str, port: int, timeout: float = 2.0) -> str:
         return type(exc).__name__
 
 
+def via() -> str:
+    with open("/proc/net/route") as fh:
+        for line in fh.read().splitlines()[1:]:
+            fields = line.split()
+            if fields[2] != "00000000":
+                return socket.inet_ntoa(bytes.fromhex(fields[2])[::-1])
+    return "no-route"
+
+
 def serve(server: socket.socket) -> None:
     conn, _ = server.accept()
     conn.sendall(b"peer")
@@ -44,7 +54,7 @@ if rank == 1:
     seen["peer"] = reach(os.environ["MASTER_ADDR"], MESH_PORT)
 for target in sys.argv[1:]:
     host, port = target.rsplit(":", 1)
-    seen[target] = reach(host, int(port))
+    seen[target] = reach(via() if host == "VIA" else host, int(port))
 print("PROBE " + json.dumps(seen), flush=True)
 dist.barrier()
 dist.destroy_process_group()

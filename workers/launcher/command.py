@@ -70,7 +70,7 @@ class NodeLaunch:
     worker_slots: int = 0
     private_network: bool = False  # (sandboxed, single-node) a network namespace of its own
     routed_subnet: str | None = None  # ...with a routed veth from this subnet (job_network.py)
-    # a routed multi-node job's node: its veth, made before the launch (workers/node_mesh.py),
+    # a multi-node job's node in its own network: its veth, made before the launch (node_mesh.py),
     # and its nodes' addresses with a name each, for the sandbox's /etc/hosts
     veth: Attached | None = None
     mesh_hosts: tuple[tuple[str, str], ...] = ()
@@ -234,7 +234,8 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         argv += ["-m", "workers.runtime.trainer.train", "--config", str(seen.config)]
     env = rank_env(launch, seen)
     if meets_over_veth(launch):
-        argv = [launch.python, "-S", "-I", "-c", AWAIT_ROUTE, str(launch.rendezvous_timeout_s), "--", *argv]
+        argv = [launch.python, "-S", "-I", "-c", AWAIT_ROUTE, str(launch.rendezvous_timeout_s),
+                str(awaited_routes(launch)), "--", *argv]  # fmt: skip
     if not launch.isolation.sandboxed:
         return LaunchPlan(
             argv=argv, env=env, cwd=launch.run_dir, paths=paths, config=config, code_dir=launch.code_dir
@@ -299,30 +300,41 @@ HOST_INTERFACE_VARS = frozenset({"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP
 def in_own_network(launch: NodeLaunch) -> bool:
     """A sandboxed single-node job on a worker of private (or routed) job networks: its ranks
     talk over their own loopback. A multi-node job's node too where its veth was made before
-    (routed: workers/node_mesh.py); else multi-node jobs keep the host's network."""
+    (workers/node_mesh.py); else multi-node jobs keep the host's network."""
     own = launch.nnodes == 1 or launch.veth is not None
     return launch.private_network and own and launch.isolation.sandboxed
 
 
 def meets_over_veth(launch: NodeLaunch) -> bool:
-    """A routed multi-node job's node: its ranks meet the other nodes' over `eth0`."""
+    """A multi-node job's node in its own network: its ranks meet the other nodes' over `eth0`."""
     return in_own_network(launch) and launch.nnodes > 1
 
 
-# Before torchrun, in a routed multi-node job's sandbox: the veth is moved in from outside a
-# moment after the sandbox starts, and the rendezvous and gloo need it, so wait for its default
-# route (job_network.move_in adds it last). `python -S -I -c AWAIT_ROUTE SECONDS -- ARGV...`
+def awaited_routes(launch: NodeLaunch) -> int:
+    """AWAIT_ROUTE's PEERS: 0 for a routed node (its default route), else its peers' count."""
+    veth = launch.veth
+    return 0 if veth is None or veth.gateway else len(veth.peers)
+
+
+# Before torchrun, in a multi-node job's node's sandbox: the veth is moved in from outside a
+# moment after the sandbox starts, and the rendezvous and gloo need it, so wait for its routes
+# (job_network.move_in adds them last): a routed node's default route (PEERS 0), a private
+# mesh's host route to each of its PEERS. `python -S -I -c AWAIT_ROUTE SECONDS PEERS -- ARGV...`
 AWAIT_ROUTE = (
     "import os, sys, time\n"
     "deadline = time.monotonic() + float(sys.argv[1])\n"
+    "peers = int(sys.argv[2])\n"
     "def routed():\n"
     "    with open('/proc/net/route') as fh:\n"
-    "        return any(line.split()[1] == '00000000' for line in fh.readlines()[1:])\n"
+    "        rows = [line.split() for line in fh.readlines()[1:]]\n"
+    "    if peers == 0:\n"
+    "        return any(row[1] == '00000000' for row in rows)\n"
+    "    return sum(row[7] == 'FFFFFFFF' for row in rows) >= peers\n"
     "while not routed():\n"
     "    if time.monotonic() > deadline:\n"
     "        sys.exit('torchjobs: the node network never came up')\n"
     "    time.sleep(0.02)\n"
-    "os.execv(sys.argv[3], sys.argv[3:])\n"
+    "os.execv(sys.argv[4], sys.argv[4:])\n"
 )
 
 

@@ -1,5 +1,8 @@
-"""A routed multi-node job's nodes let through to each other (contract §7 v3): what a node
-opens on its host once it knows where its job's other nodes are (workers/node_mesh.py).
+"""A multi-node job's nodes let through to each other (contract §7 v3): what a node opens on
+its host once it knows where its job's other nodes are (workers/node_mesh.py). A routed node's
+elements and routes, as below; a private mesh's routes (the node's own routes, inside its
+namespace, name its peers and nothing else: nothing to wall), and its elements too where the
+host has nftables (a routed worker's walls, if one runs here, let only elements through).
 
 - **Elements** in `peers_out` and `peers_in` (job_network.rules): each names this node's own
   host veth, so it is this node's alone (two nodes of one job on one host add no shared
@@ -19,12 +22,14 @@ import subprocess
 from dataclasses import dataclass
 
 from workers.launcher.job_network import (
+    PEER_SET,
     PEERS_IN,
     PEERS_OUT,
     RULE_PREF,
     TABLE,
     Attached,
     _run,
+    forward_all,
     route_table,
 )
 
@@ -39,28 +44,40 @@ class Peer:
 
 
 class Mesh:
-    def __init__(self, mine: Attached, peers: list[Peer]) -> None:
-        self.mine, self.peers = mine, peers
+    """`walled`: a routed node (the host forwards already); `elements`: nftables is here, so
+    the node's elements go in the sets (a routed worker's walls would drop it otherwise)."""
+
+    def __init__(self, mine: Attached, peers: list[Peer], walled: bool = True, elements: bool = True) -> None:
+        self.mine, self.peers, self.walled, self.elements = mine, peers, walled, elements
         self.table = str(route_table(mine))
 
     def open(self) -> None:
         remote = [p for p in self.peers if not p.local]
         if remote:
+            if not self.walled:  # routed hosts forward already (job_network.prepare_host)
+                forward_all()
             me = self.mine.job_address
             _run(["ip", "rule", "add", "from", f"{me}/32", "lookup", self.table, "pref", str(RULE_PREF)])
             routes = [
                 f"route replace {p.job_address}/32 via {p.host_address} table {self.table}" for p in remote
             ]
             _run(["ip", "-batch", "-"], "\n".join(routes) + "\n")
-        if self.peers:
-            _run(["nft", "-f", "-"], self._elements("add"))
+        if self.peers and self.elements:
+            _run(["nft", "-f", "-"], self._sets() + self._elements("add"))
 
     def close(self) -> None:
-        if self.peers:
+        if self.peers and self.elements:
             subprocess.run(["nft", "-f", "-"], input=self._elements("delete"), capture_output=True, text=True)
         subprocess.run(["ip", "route", "flush", "table", self.table], capture_output=True)
         subprocess.run(["ip", "rule", "del", "from", f"{self.mine.job_address}/32", "lookup", self.table],
                        capture_output=True)  # fmt: skip
+
+    @staticmethod
+    def _sets() -> str:
+        """The table and its two sets, where no routed worker made them (adding is a no-op
+        where it did; a routed worker's start keeps them)."""
+        made = (f"add set inet {TABLE} {name} {{ {PEER_SET} }}\n" for name in (PEERS_OUT, PEERS_IN))
+        return f"add table inet {TABLE}\n" + "".join(made)
 
     def _elements(self, verb: str) -> str:
         veth, me = f'"{self.mine.host_if}"', self.mine.job_address

@@ -1,4 +1,5 @@
-"""A sandboxed node's routed network (contract §7 v3, `TORCHJOBS_JOB_NETWORK=routed`).
+"""A sandboxed node's veth: a routed node's (contract §7 v3, `TORCHJOBS_JOB_NETWORK=routed`),
+and a multi-node job's node's in the default `private` mode (its peers only: `_inside`).
 
 The node's sandbox has a network namespace of its own (`bwrap --unshare-net`), as in the
 `private` mode; here the worker then plumbs a veth pair into it: `tjhN` on the host with the
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import subprocess
 import time
 from dataclasses import dataclass
@@ -194,20 +196,33 @@ def prepare_host(subnet: str, allow: str = "") -> None:
     _run(["nft", "-f", "-"], rules(str(network), allowances(allow), host_subnets()))
     for name in sweep_left():
         log.info("removed job veth %s, made by a worker no longer running", name)
-    try:
-        with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
-            fh.write("1\n")
-    except OSError as exc:
-        raise NetworkUnavailable(f"could not turn IPv4 forwarding on: {exc}") from exc
+    forward_all()
+
+
+def prepare_private() -> None:
+    """At worker start, `private`: what a multi-node job's private mesh needs (a root worker,
+    `ip` and `nsenter`; no nftables), and what a killed worker left of one removed."""
+    if os.geteuid() != 0:
+        raise NetworkUnavailable("a multi-node job's own network needs a worker running as root")
+    missing = [tool for tool in ("ip", "nsenter") if shutil.which(tool) is None]
+    if missing:
+        raise NetworkUnavailable(f"a multi-node job's own network needs {' and '.join(missing)}")
+    for name in sweep_left(mesh_elements()):
+        log.info("removed job veth %s, made by a worker no longer running", name)
 
 
 @dataclass(frozen=True)
 class Attached:
-    """One node's veth: its host end's name, and the addresses of both ends."""
+    """One node's veth: its host end's name, and the addresses of both ends. A routed node
+    (`gateway`) gets the host end as its default route; a private multi-node job's node gets
+    a route to each of its `peers` (its job's other nodes) and nothing else, not even to the
+    host end itself (a service listening on all the host's addresses would answer there)."""
 
     host_if: str
     host_address: str
     job_address: str
+    gateway: bool = True
+    peers: tuple[str, ...] = ()
 
     @property
     def peer_if(self) -> str:
@@ -221,9 +236,10 @@ def attach(outer_pid: int, subnet: str) -> Attached:
     return veth
 
 
-def reserve(subnet: str) -> Attached:
+def reserve(subnet: str, elements: bool = True) -> Attached:
     """A veth pair and its /30, made before the sandbox exists: a multi-node job's nodes learn
-    each other's addresses (and node 0's, their rendezvous) before any of them starts."""
+    each other's addresses (and node 0's, their rendezvous) before any of them starts.
+    `elements`: the host has nftables, so mesh elements may name this veth (mesh_elements)."""
     network = ipaddress.ip_network(subnet)
     slots = network.num_addresses // 4
     start = random.randrange(slots)
@@ -247,7 +263,8 @@ def reserve(subnet: str) -> Attached:
         _run(["ip", "link", "set", name, "alias", f"{ALIAS} {os.getpid()}"])
         _run(["ip", "addr", "add", f"{veth.host_address}/30", "dev", name])
         _strict_source(name)
-        forget(veth)
+        _forwarding(name)
+        forget(veth, elements)
     except NetworkUnavailable:
         release(veth)
         raise
@@ -255,22 +272,37 @@ def reserve(subnet: str) -> Attached:
 
 
 def move_in(outer_pid: int, veth: Attached) -> None:
-    """The veth's inner end into the sandbox's namespace, as `eth0` with a default route."""
+    """The veth's inner end into the sandbox's namespace, as `eth0`, its routes added last
+    (command.AWAIT_ROUTE waits for them)."""
     try:
         inner = _sandbox_child(outer_pid)
         _run(["ip", "link", "set", veth.peer_if, "netns", str(inner)])
         _run(["ip", "link", "set", veth.host_if, "up"])
-        inside = [
-            f"link set {veth.peer_if} name eth0",
+        inside = [f"link set {veth.peer_if} name eth0", *_inside(veth)]
+        _run(["nsenter", f"--net=/proc/{inner}/ns/net", "ip", "-batch", "-"], "\n".join(inside) + "\n")
+    except NetworkUnavailable:
+        release(veth)
+        raise
+
+
+def _inside(veth: Attached) -> list[str]:
+    """Routed: the /30 and a default route through the host end. Private: the job's address
+    alone (/32: no connected route, so not even the host end is reachable) and a host route
+    to each peer through the host end, named on-link."""
+    if veth.gateway:
+        return [
             f"addr add {veth.job_address}/30 dev eth0",
             "link set eth0 up",
             "link set lo up",
             f"route add default via {veth.host_address}",
         ]
-        _run(["nsenter", f"--net=/proc/{inner}/ns/net", "ip", "-batch", "-"], "\n".join(inside) + "\n")
-    except NetworkUnavailable:
-        release(veth)
-        raise
+    via = f"via {veth.host_address} dev eth0 onlink"
+    return [
+        f"addr add {veth.job_address}/32 dev eth0",
+        "link set eth0 up",
+        "link set lo up",
+        *(f"route add {peer}/32 {via}" for peer in veth.peers),
+    ]
 
 
 def release(veth: Attached) -> None:
@@ -294,7 +326,27 @@ def _strict_source(host_if: str) -> None:
         raise NetworkUnavailable(f"could not turn reverse-path filtering on for {host_if}: {exc}") from exc
 
 
-def sweep_left() -> list[str]:
+def _forwarding(host_if: str) -> None:
+    """Forwarding on the host end (IPv4 checks the interface a packet comes in by): a node's
+    packets to its peers on this host are forwarded without turning the whole host into a
+    router. Peers on other hosts need the host's own forwarding (job_mesh.Mesh.open)."""
+    try:
+        with open(f"/proc/sys/net/ipv4/conf/{host_if}/forwarding", "w") as fh:
+            fh.write("1\n")
+    except OSError as exc:
+        raise NetworkUnavailable(f"could not turn forwarding on for {host_if}: {exc}") from exc
+
+
+def forward_all() -> None:
+    """IPv4 forwarding for the whole host: its jobs' packets to and from other hosts."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
+            fh.write("1\n")
+    except OSError as exc:
+        raise NetworkUnavailable(f"could not turn IPv4 forwarding on: {exc}") from exc
+
+
+def sweep_left(elements: bool = True) -> list[str]:
     """At worker start: the veths a killed worker made and never moved into a sandbox (its
     nodes were waiting for their peers), with what they held; a sibling worker's (its PID
     alive) stay. The names taken away."""
@@ -309,20 +361,37 @@ def sweep_left() -> list[str]:
         if ours and unmoved and not os.path.exists(f"/proc/{owner}"):
             veth = Attached(host_if=name, host_address="", job_address="")
             release(veth)
-            forget(veth)
+            forget(veth, elements)
             swept.append(name)
     return swept
 
 
-def forget(veth: Attached) -> None:
+def mesh_elements() -> bool:
+    """Whether a private mesh adds its elements too: wherever nftables is, a routed worker may
+    write the walls (now, or while the mesh runs), which drop what no element lets through."""
+    return shutil.which("nft") is not None
+
+
+def forget(veth: Attached, elements: bool = True) -> None:
     """What a node whose worker was killed left under this veth's name or address (mesh
     elements, its own routes): a new node there starts with nothing of it."""
+    if elements:
+        _forget_elements(veth)
+    table = str(route_table(veth))
+    subprocess.run(["ip", "route", "flush", "table", table], capture_output=True)
+    while subprocess.run(["ip", "rule", "del", "table", table], capture_output=True).returncode == 0:
+        pass
+
+
+def _forget_elements(veth: Attached) -> None:
     stale = {}
     mine = {veth.host_if, veth.job_address} - {""}
     for name in (PEERS_OUT, PEERS_IN):
         listed = subprocess.run(
             ["nft", "-j", "list", "set", "inet", TABLE, name], capture_output=True, text=True, timeout=30
         )
+        if listed.returncode != 0 and "No such file" in listed.stderr:
+            return  # no table: no routed worker ever ran here, no mesh element either
         if listed.returncode != 0:
             raise NetworkUnavailable(f"nft list set {name}: {listed.stderr.strip()}")
         gone = [e for e in _elements(listed.stdout) if mine & set(e)]
@@ -334,10 +403,6 @@ def forget(veth: Attached) -> None:
     )
     if script:
         _run(["nft", "-f", "-"], script)
-    table = str(route_table(veth))
-    subprocess.run(["ip", "route", "flush", "table", table], capture_output=True)
-    while subprocess.run(["ip", "rule", "del", "table", table], capture_output=True).returncode == 0:
-        pass
 
 
 def _elements(listing: str) -> list[tuple[str, str, str]]:

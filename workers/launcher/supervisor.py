@@ -237,14 +237,14 @@ class NodeSupervisor:
             self._close_files()
 
     def _plumb_network(self, proc: subprocess.Popen[bytes]) -> None:
-        """A routed job network (TORCHJOBS_JOB_NETWORK=routed): the sandbox's veth, from outside."""
-        if self.plan.routed_subnet is None:
-            return
-        if self.plan.veth is not None:  # made before the launch (a routed multi-node job's node)
+        """The sandbox's veth, from outside: a routed node's, or a multi-node job's node's."""
+        if self.plan.veth is not None:  # made before the launch (a multi-node job's node)
             job_network.move_in(proc.pid, self.plan.veth)
             attached = self.plan.veth
-        else:
+        elif self.plan.routed_subnet is not None:
             attached = job_network.attach(proc.pid, self.plan.routed_subnet)
+        else:
+            return
         log.info("job %s node %s: network %s via %s", self.key.job_id, self.key.node_rank,
                  attached.job_address, attached.host_if)  # fmt: skip
 

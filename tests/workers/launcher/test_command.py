@@ -166,12 +166,17 @@ def test_a_routed_multi_node_job_s_node_meets_its_peers_over_its_own_veth() -> N
         "eth0"
     ] * 3
     gate = plan.inner_argv[: plan.inner_argv.index("--") + 1]
-    assert gate == [node.python, "-S", "-I", "-c", AWAIT_ROUTE, str(node.rendezvous_timeout_s), "--"]
+    assert gate == [node.python, "-S", "-I", "-c", AWAIT_ROUTE, str(node.rendezvous_timeout_s), "0", "--"]
     assert plan.inner_argv[len(gate) : len(gate) + 3] == [node.python, "-m", "torch.distributed.run"]
     assert "--master-addr=10.213.0.22" in plan.inner_argv
     own = build_launch(dataclasses.replace(node, user_env={"GLOO_SOCKET_IFNAME": "lo"}))
     assert own.env["GLOO_SOCKET_IFNAME"] == "lo"
-    # without a veth made beforehand (the private mode), a multi-node job keeps the host's network
+    # a private mesh's node: no default route to wait for, but one host route per peer
+    private = dataclasses.replace(veth, gateway=False, peers=("10.214.0.6", "10.214.0.10"))
+    mesh = build_launch(dataclasses.replace(node, veth=private, routed_subnet=None))
+    assert "--unshare-net" in mesh.argv and mesh.veth == private
+    assert mesh.inner_argv[mesh.inner_argv.index("--") - 1] == "2"
+    # without a veth made beforehand (a worker that cannot make one), the host's network
     host = build_launch(dataclasses.replace(node, veth=None))
     assert "--unshare-net" not in host.argv and host.env["GLOO_SOCKET_IFNAME"] == "tj0"
     assert host.inner_argv[:3] == [node.python, "-m", "torch.distributed.run"]
@@ -184,7 +189,7 @@ def test_the_route_gate_waits_for_a_default_route_then_becomes_the_command() -> 
 
     gate = [sys.executable, "-S", "-I", "-c", AWAIT_ROUTE]
     none = subprocess.run(
-        ["unshare", "--net", *gate, "0.5", "--", "/bin/echo", "no"],
+        ["unshare", "--net", *gate, "0.5", "0", "--", "/bin/echo", "no"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -192,7 +197,26 @@ def test_the_route_gate_waits_for_a_default_route_then_becomes_the_command() -> 
     assert none.returncode == 1 and "never came up" in none.stderr and none.stdout == "", none.stderr
     later = 'ip link set lo up; (sleep 0.5; ip route add default dev lo) & exec "$@"'
     went = subprocess.run(
-        ["unshare", "--net", "sh", "-c", later, "sh", *gate, "20", "--", "/bin/echo", "went on"],
+        ["unshare", "--net", "sh", "-c", later, "sh", *gate, "20", "0", "--", "/bin/echo", "went on"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert (went.returncode, went.stdout) == (0, "went on\n"), went.stderr
+
+
+def test_the_route_gate_of_a_private_mesh_waits_for_a_route_to_every_peer() -> None:
+    """Two peers: one host route is not enough (the gate gives up), the second lets it on."""
+    from workers.launcher.command import AWAIT_ROUTE
+
+    gate = [sys.executable, "-S", "-I", "-c", AWAIT_ROUTE]
+    one = 'ip link set lo up; ip route add 10.214.0.6/32 dev lo; exec "$@"'
+    half = subprocess.run(
+        ["unshare", "--net", "sh", "-c", one, "sh", *gate, "0.5", "2", "--", "/bin/echo", "no"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert half.returncode == 1 and "never came up" in half.stderr, half.stderr
+    later = one.replace("exec", "(sleep 0.5; ip route add 10.214.0.10/32 dev lo) & exec")
+    went = subprocess.run(
+        ["unshare", "--net", "sh", "-c", later, "sh", *gate, "20", "2", "--", "/bin/echo", "went on"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert (went.returncode, went.stdout) == (0, "went on\n"), went.stderr

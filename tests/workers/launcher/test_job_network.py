@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from workers.context import WorkerContext
 from workers.launcher import job_mesh, job_network, lifeline, procs, sandbox
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
 
@@ -255,19 +256,42 @@ def test_the_admin_opens_ranges_and_ports_in_the_walled_ones() -> None:
 
 
 def test_a_worker_asked_for_a_routed_network_it_cannot_give_does_not_start() -> None:
-    from service.config import Settings
     from workers.agent import prepare_job_network
     from workers.launcher.sandbox import UNISOLATED
 
     bwrap = sandbox.find_bwrap()
     iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap=bwrap, uid=65534, gid=65534)
     with pytest.raises(SystemExit, match="needs the sandbox"):
-        prepare_job_network(UNISOLATED, Settings(job_network="routed"))
+        prepare_job_network(worker(UNISOLATED, job_network="routed"))
     with pytest.raises(SystemExit, match="at least a /30"):
-        prepare_job_network(iso, Settings(job_network="routed", job_subnet="10.213.0.0/31"))
+        prepare_job_network(worker(iso, job_network="routed", job_subnet="10.213.0.0/31"))
     with pytest.raises(SystemExit, match="TORCHJOBS_JOB_NETWORK_ALLOW"):
-        prepare_job_network(iso, Settings(job_network="routed", job_network_allow="nowhere"))
-    prepare_job_network(iso, Settings(job_network="private"))  # nothing asked, nothing done
+        prepare_job_network(worker(iso, job_network="routed", job_subnet=SUBNET, job_network_allow="no"))
+    private = worker(iso, job_network="private", job_subnet="10.250.0.0/24")
+    prepare_job_network(private)  # a root worker: multi-node jobs' meshes, no nftables asked
+    assert private.node_meshes and private.job_subnet == "10.250.0.0/24"
+    unsandboxed = worker(UNISOLATED, job_network="private")
+    prepare_job_network(unsandboxed)
+    assert not unsandboxed.node_meshes and unsandboxed.job_subnet is None
+
+
+def worker(iso: Isolation, **settings: str) -> WorkerContext:
+    """A worker's context as far as its network's preparation reads it (no database: every
+    case either fails before it or names its subnet)."""
+    from service.config import Settings
+
+    ctx = WorkerContext(
+        settings=Settings(**settings),  # type: ignore[arg-type]
+        db=None,  # type: ignore[arg-type]
+        storage=None,  # type: ignore[arg-type]
+        name="w",
+        session_id="s",
+        address="192.0.2.1",
+        accelerator="cpu",
+        gpus=1,
+    )
+    ctx.isolation = iso
+    return ctx
 
 
 def test_the_host_lan_is_walled_and_a_job_holds_a_bounded_number_of_flows() -> None:

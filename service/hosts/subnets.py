@@ -1,0 +1,64 @@
+"""Each worker host's job subnet (contract §7 v3), given by the control plane: a /24 of
+`TORCHJOBS_JOB_SUBNET_POOL` per host address, the first free one, kept for good.
+
+Why here: a multi-node job's nodes route to each other's job addresses across hosts
+(workers/node_mesh.py), so no two hosts may hand out the same one, and the hosts know each
+other only through the database. Workers on one host share its address and so its /24 (each
+takes its /30s on the host by making the veth: the name is the lock). A host's
+`TORCHJOBS_JOB_SUBNET`, where the admin sets one, is used instead and nothing is given.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from sqlalchemy.exc import IntegrityError
+
+from service.db import Database
+from service.hosts import repository as repo
+
+BLOCK_PREFIX = 24  # 64 job nodes at once per host (a /30 each), 256 hosts in a /16 pool
+
+
+class NoSubnet(Exception):
+    """The pool is not an IPv4 network of at least a /24, or every /24 of it is taken."""
+
+
+def blocks(pool: str) -> list[str]:
+    try:
+        network = ipaddress.ip_network(pool)
+    except ValueError as exc:
+        raise NoSubnet(f"TORCHJOBS_JOB_SUBNET_POOL {pool!r} is not a network") from exc
+    if network.version != 4 or network.prefixlen > BLOCK_PREFIX:
+        raise NoSubnet(f"TORCHJOBS_JOB_SUBNET_POOL {pool!r}: an IPv4 network of at least a /{BLOCK_PREFIX}")
+    return [str(block) for block in network.subnets(new_prefix=BLOCK_PREFIX)]
+
+
+def subnet_of_host(db: Database, address: str, pool: str, tries: int = 5) -> str:
+    """The host's /24, given now if it has none. Two hosts asking at once may pick the same
+    free one: the loser's insert fails on the unique subnet and it picks again."""
+    candidates = blocks(pool)
+    for _ in range(tries):
+        with db.transaction() as session:
+            kept = repo.host_subnet(session, address)
+            if kept is not None and kept in candidates:
+                return kept
+            if kept is not None:  # the pool changed: this host's old block is outside it
+                raise NoSubnet(
+                    f"host {address} holds job subnet {kept}, outside TORCHJOBS_JOB_SUBNET_POOL {pool}"
+                )
+        try:
+            return _take_free(db, address, candidates)
+        except IntegrityError:
+            continue
+    raise NoSubnet(f"no job subnet could be given to host {address} in {tries} tries")
+
+
+def _take_free(db: Database, address: str, candidates: list[str]) -> str:
+    with db.transaction() as session:
+        taken = repo.taken_subnets(session)
+        free = next((block for block in candidates if block not in taken), None)
+        if free is None:
+            raise NoSubnet(f"every /{BLOCK_PREFIX} of the job subnet pool is taken ({len(taken)} hosts)")
+        repo.add_host_subnet(session, address, free)
+        return free
