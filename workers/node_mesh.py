@@ -66,7 +66,7 @@ def join(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> JoinedMesh:
     assert subnet is not None, "a mesh is joined only where the worker has a job subnet"
     elements = walled or job_network.mesh_elements()
     try:
-        veth = job_network.reserve(subnet, elements)
+        veth = job_network.reserve(subnet, elements, sealed=not walled)
     except job_network.NetworkUnavailable as exc:
         raise MeshFailed(f"its network could not be made: {exc}") from exc
     joined = JoinedMesh(veth=veth, mesh=None, master_address=veth.job_address)

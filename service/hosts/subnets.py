@@ -34,7 +34,7 @@ def blocks(pool: str) -> list[str]:
     return [str(block) for block in network.subnets(new_prefix=BLOCK_PREFIX)]
 
 
-def subnet_of_host(db: Database, address: str, pool: str, tries: int = 5) -> str:
+def subnet_of_host(db: Database, address: str, pool: str, tries: int = 20) -> str:
     """The host's /24, given now if it has none. Two hosts asking at once may pick the same
     free one: the loser's insert fails on the unique subnet and it picks again."""
     candidates = blocks(pool)

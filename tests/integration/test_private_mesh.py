@@ -69,6 +69,9 @@ def test_a_two_node_job_meets_over_its_own_addresses_and_reaches_no_host_service
     pg_port = urlparse(pg_url).port or 5432
     here = host_address()
     walled = [f"{here}:{host_service}", f"VIA:{host_service}", f"VIA:{pg_port}", f"{here}:{pg_port}"]
+    # through its interface bound by name, where the kernel takes any address for one on the
+    # link: the sealed host end answers no ARP, so still nothing (contract §7 v3)
+    walled += [f"BOUND:{here}:{host_service}", f"BOUND:VIA:{host_service}", f"BOUND:{here}:{pg_port}"]
     job = stack.submit(
         {
             "mode": "ddp",

@@ -96,6 +96,7 @@ def test_a_two_host_job_meets_over_its_own_addresses_and_reaches_no_host(two_hos
     try:
         pg = f"{net.gateway}:{urlparse(env['TORCHJOBS_DATABASE_URL']).port}"
         walled = [f"{addresses['hosta']}:9000", f"{addresses['hostb']}:9000", pg, "VIA:9000"]
+        walled += [f"BOUND:{addresses['hosta']}:9000", "BOUND:VIA:9000"]
         job = stack.submit(
             {
                 "mode": "ddp",

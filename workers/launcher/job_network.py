@@ -28,6 +28,7 @@ through to each other by the `peers` pairs and the routes of a `Mesh` (workers/n
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -209,6 +210,25 @@ def prepare_private() -> None:
         raise NetworkUnavailable(f"a multi-node job's own network needs {' and '.join(missing)}")
     for name in sweep_left(mesh_elements()):
         log.info("removed job veth %s, made by a worker no longer running", name)
+    if mesh_elements():
+        _run(["nft", "-f", "-"], PRIVATE_WALL)
+
+
+# Where nftables is, a private mesh's host ends also drop whatever reaches the host itself
+# (a routed host's own table does the same): a sealed end still takes a UDP broadcast a rank
+# sends through its interface, which a host service on all addresses would read.
+PRIVATE_TABLE = "torchjobs_private"
+PRIVATE_WALL = (
+    f"add table inet {PRIVATE_TABLE}\n"
+    f"add chain inet {PRIVATE_TABLE} input\n"
+    f"delete chain inet {PRIVATE_TABLE} input\n"
+    f"table inet {PRIVATE_TABLE} {{\n"
+    "  chain input {\n"
+    "    type filter hook input priority -10; policy accept;\n"
+    f'    iifname "{HOST_IF}*" drop\n'
+    "  }\n"
+    "}\n"
+)
 
 
 @dataclass(frozen=True)
@@ -223,6 +243,8 @@ class Attached:
     job_address: str
     gateway: bool = True
     peers: tuple[str, ...] = ()
+    host_mac: str = ""  # sealed (a private mesh's): the ends know each other's MAC, never ask
+    job_mac: str = ""
 
     @property
     def peer_if(self) -> str:
@@ -236,10 +258,11 @@ def attach(outer_pid: int, subnet: str) -> Attached:
     return veth
 
 
-def reserve(subnet: str, elements: bool = True) -> Attached:
+def reserve(subnet: str, elements: bool = True, sealed: bool = False) -> Attached:
     """A veth pair and its /30, made before the sandbox exists: a multi-node job's nodes learn
     each other's addresses (and node 0's, their rendezvous) before any of them starts.
-    `elements`: the host has nftables, so mesh elements may name this veth (mesh_elements)."""
+    `elements`: the host has nftables, so mesh elements may name this veth (mesh_elements).
+    `sealed`: a private mesh's, where no nftables rule walls the host end (`_seal`)."""
     network = ipaddress.ip_network(subnet)
     slots = network.num_addresses // 4
     start = random.randrange(slots)
@@ -265,10 +288,40 @@ def reserve(subnet: str, elements: bool = True) -> Attached:
         _strict_source(name)
         _forwarding(name)
         forget(veth, elements)
+        if sealed:
+            _seal(name)
+            veth = dataclasses.replace(veth, host_mac=_mac(name), job_mac=_mac(veth.peer_if))
     except NetworkUnavailable:
         release(veth)
         raise
     return veth
+
+
+def _seal(host_if: str) -> None:
+    """A private mesh's host end answers nothing: no ARP reply for any address (a rank that
+    sends "on-link" through its interface, which needs no privilege, could otherwise reach
+    every address of the host, this end's own included) and no IPv6 (its link-local address
+    would answer the host's services that listen on `::`). Its neighbours are written, both
+    ways (move_in): nothing is ever asked on this link."""
+    _sysctl(f"ipv4/conf/{host_if}/arp_ignore", "8")
+    if os.path.exists(f"/proc/sys/net/ipv6/conf/{host_if}"):
+        _sysctl(f"ipv6/conf/{host_if}/disable_ipv6", "1")
+
+
+def _sysctl(name: str, value: str) -> None:
+    try:
+        with open(f"/proc/sys/net/{name}", "w") as fh:
+            fh.write(value + "\n")
+    except OSError as exc:
+        raise NetworkUnavailable(f"could not set {name}: {exc}") from exc
+
+
+def _mac(interface: str) -> str:
+    done = subprocess.run(["ip", "-j", "link", "show", interface], capture_output=True, text=True, timeout=30)
+    try:
+        return str(json.loads(done.stdout)[0]["address"])
+    except (ValueError, LookupError) as exc:
+        raise NetworkUnavailable(f"no MAC address for {interface}: {done.stderr.strip()}") from exc
 
 
 def move_in(outer_pid: int, veth: Attached) -> None:
@@ -277,6 +330,10 @@ def move_in(outer_pid: int, veth: Attached) -> None:
     try:
         inner = _sandbox_child(outer_pid)
         _run(["ip", "link", "set", veth.peer_if, "netns", str(inner)])
+        if veth.job_mac:  # sealed: the host never asks who holds the job's address (the
+            # answer would teach the job the host end's address and MAC), so before it is up
+            _run(["ip", "neigh", "replace", veth.job_address, "lladdr", veth.job_mac, "dev", veth.host_if,
+                  "nud", "permanent"])  # fmt: skip
         _run(["ip", "link", "set", veth.host_if, "up"])
         inside = [f"link set {veth.peer_if} name eth0", *_inside(veth)]
         _run(["nsenter", f"--net=/proc/{inner}/ns/net", "ip", "-batch", "-"], "\n".join(inside) + "\n")
@@ -287,8 +344,9 @@ def move_in(outer_pid: int, veth: Attached) -> None:
 
 def _inside(veth: Attached) -> list[str]:
     """Routed: the /30 and a default route through the host end. Private: the job's address
-    alone (/32: no connected route, so not even the host end is reachable) and a host route
-    to each peer through the host end, named on-link."""
+    alone (/32: no connected route, so not even the host end is routable), each peer's
+    neighbour entry written (the host end's MAC: the sealed end answers no ARP) and a link
+    route to each peer, last."""
     if veth.gateway:
         return [
             f"addr add {veth.job_address}/30 dev eth0",
@@ -296,12 +354,12 @@ def _inside(veth: Attached) -> list[str]:
             "link set lo up",
             f"route add default via {veth.host_address}",
         ]
-    via = f"via {veth.host_address} dev eth0 onlink"
     return [
         f"addr add {veth.job_address}/32 dev eth0",
         "link set eth0 up",
         "link set lo up",
-        *(f"route add {peer}/32 {via}" for peer in veth.peers),
+        *(f"neigh replace {peer} lladdr {veth.host_mac} dev eth0 nud permanent" for peer in veth.peers),
+        *(f"route add {peer}/32 dev eth0" for peer in veth.peers),
     ]
 
 

@@ -270,6 +270,10 @@ def test_a_worker_asked_for_a_routed_network_it_cannot_give_does_not_start() -> 
     private = worker(iso, job_network="private", job_subnet="10.250.0.0/24")
     prepare_job_network(private)  # a root worker: multi-node jobs' meshes, no nftables asked
     assert private.node_meshes and private.job_subnet == "10.250.0.0/24"
+    # where nftables is (CI installs it), the host ends also drop whatever reaches the host
+    listed = ["nft", "list", "table", "inet", "torchjobs_private"]
+    wall = subprocess.run(listed, capture_output=True, text=True)
+    assert 'iifname "tjh*" drop' in wall.stdout, wall.stderr
     unsandboxed = worker(UNISOLATED, job_network="private")
     prepare_job_network(unsandboxed)
     assert not unsandboxed.node_meshes and unsandboxed.job_subnet is None
@@ -451,3 +455,67 @@ def test_a_starting_worker_sweeps_the_veths_a_killed_worker_never_moved_in() -> 
     finally:
         job_network.release(dead)
         job_network.release(alive)
+
+
+BOUND_CONNECT = r"""
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, sys.argv[1].encode())
+s.settimeout(4)
+try:
+    s.connect((sys.argv[2], int(sys.argv[3])))
+    print(s.recv(16).decode())
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+
+
+def _bound_probe(sealed: bool, port: int) -> str:
+    """A namespace whose only address is a /32 on a veth, as a private mesh's node has, and
+    whose unprivileged process connects to the host end's address through the interface
+    bound by name (the kernel then takes the address as on the link and asks by ARP)."""
+    tag = f"{os.getpid() % 100000}{int(sealed)}"
+    ns, outer, inner = f"tjsn{tag}", f"tjso{tag}", f"tjsi{tag}"
+    host, job = f"10.252.{int(sealed)}.1", f"10.252.{int(sealed)}.2"
+    _ip("netns", "add", ns)
+    try:
+        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        _ip("addr", "add", f"{host}/30", "dev", outer)
+        if sealed:
+            job_network._seal(outer)
+            if os.path.exists(f"/proc/sys/net/ipv6/conf/{outer}"):  # no link-local address to reach
+                assert Path(f"/proc/sys/net/ipv6/conf/{outer}/disable_ipv6").read_text().strip() == "1"
+            mac = json.loads(subprocess.run(["ip", "-j", "link", "show", inner], capture_output=True).stdout)
+            _ip("neigh", "replace", job, "lladdr", mac[0]["address"], "dev", outer, "nud", "permanent")
+        _ip("link", "set", outer, "up")
+        _ip("link", "set", inner, "netns", ns)
+        for cmd in (["addr", "add", f"{job}/32", "dev", inner], ["link", "set", inner, "up"]):
+            _ip("-n", ns, *cmd)
+        probe = ["ip", "netns", "exec", ns, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                 sys.executable, "-c", BOUND_CONNECT, inner, host, str(port)]  # fmt: skip
+        return subprocess.run(probe, capture_output=True, text=True, timeout=60).stdout.strip()
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", outer], capture_output=True)
+
+
+def test_a_sealed_host_end_answers_nothing_a_bound_socket_asks() -> None:
+    """No route is not a wall: bound to its interface, an unprivileged process reaches a
+    service listening on all the host's addresses through the unsealed end (the control) and
+    not through a sealed one (job_network._seal), which also has no IPv6."""
+    server = socket.create_server(("0.0.0.0", 0))
+    port = server.getsockname()[1]
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = server.accept()
+                conn.sendall(b"host")
+                conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        assert _bound_probe(False, port) == "host"  # a test of the test: the attack works there
+        assert _bound_probe(True, port) in ("TimeoutError", "OSError")
+    finally:
+        server.close()
