@@ -1,16 +1,16 @@
-"""What a routed multi-node job's own network costs (issue #35): a 2-node DDP job's throughput
-and POST -> first step with each node in its own network namespace, meshed across two hosts
-(`TORCHJOBS_JOB_NETWORK=routed`, workers/node_mesh.py), against the same job on the hosts'
-own network (the `private` mode's multi-node jobs), in the same run.
+"""What a multi-node job's own network costs (issue #35): a 2-node DDP job's throughput and
+POST -> first step with each node in its own network namespace, meshed across two hosts
+(`TORCHJOBS_JOB_NETWORK=routed`, and the default `private`: workers/node_mesh.py), against
+the same job on the hosts' own network (`TORCHJOBS_JOB_NETWORK=host`), in the same run.
 
-    .venv/bin/python -m bench.mesh            # ~8 min on an idle machine
+    .venv/bin/python -m bench.mesh            # ~12 min on an idle machine
     .venv/bin/python -m bench.mesh --smoke    # one job each: the code path only
 
-Four "hosts" (network namespaces on one bridge, service/testing/netns.py), two routed and two
-on their own network, one one-slot worker each, under one production stack; the pair not
-measured is drained while the other runs, and the pair going first swaps every round. On
-this machine both pairs share two cores and one kernel: what the figure shows is the cost
-of the veths, the routes and the nftables rules on the path, not of a real NIC.
+Six "hosts" (network namespaces on one bridge, service/testing/netns.py), a pair per side,
+one one-slot worker each, under one production stack; the pairs not measured are drained
+while the other runs, and the order of the sides turns every round. On this machine all
+pairs share two cores and one kernel: what the figure shows is the cost of the veths, the
+routes and the nftables rules on the path, not of a real NIC.
 """
 
 from __future__ import annotations
@@ -27,12 +27,21 @@ from bench.launch import long_job, run_service
 from service.testing import harness
 from service.testing.netns import Network
 
-SIDES = {"routed": ("ra", "rb"), "host network": ("ha", "hb")}
+SIDES = {"routed": ("ra", "rb"), "private": ("pa", "pb"), "host network": ("ha", "hb")}
+# each side's workers: the routed pair with job subnets its admin gave; the private pair (the
+# default) with the control plane's, from a pool no job of this machine's own uses (the bridge
+# between the namespaces crosses the root namespace, whose walls would masquerade 10.213/16);
+# the floor on the hosts' own network
+NETWORKS = {
+    "routed": {"TORCHJOBS_JOB_NETWORK": "routed"},
+    "private": {"TORCHJOBS_JOB_NETWORK": "private", "TORCHJOBS_JOB_SUBNET_POOL": "10.242.0.0/16"},
+    "host network": {"TORCHJOBS_JOB_NETWORK": "host"},
+}
 
 
 @contextmanager
 def hosts(stack: harness.Stack) -> Iterator[None]:
-    """The four hosts, a worker on each; the routed pair with job subnets of their own."""
+    """The six hosts, a worker on each, in three pairs: routed, private, the hosts' network."""
     net = Network(tag="bm")
     net.up()
     try:
@@ -44,12 +53,13 @@ def hosts(stack: harness.Stack) -> Iterator[None]:
             "TORCHJOBS_BROKER_URL": f"redis://{net.gateway}:{redis}{broker.path}",
             "GLOO_SOCKET_IFNAME": "tj0",
         }
-        for index, name in enumerate((*SIDES["routed"], *SIDES["host network"])):
-            address = net.add_host(name)
-            extra = dict(env)
-            if name in SIDES["routed"]:
-                extra.update(TORCHJOBS_JOB_NETWORK="routed", TORCHJOBS_JOB_SUBNET=f"10.241.{index}.0/24")
-            stack.start_worker(name, 1, address=address, extra_env=extra, netns=net.namespace(name))
+        for side, names in SIDES.items():
+            for index, name in enumerate(names):
+                address = net.add_host(name)
+                extra = {**env, **NETWORKS[side]}
+                if side == "routed":
+                    extra["TORCHJOBS_JOB_SUBNET"] = f"10.241.{index}.0/24"
+                stack.start_worker(name, 1, address=address, extra_env=extra, netns=net.namespace(name))
         yield
     finally:
         stack.stop()  # the workers first: their namespaces go next
@@ -71,7 +81,7 @@ def measure(rounds: int, spec: dict[str, Any], timeout: float) -> dict[str, list
         hosts(stack),
     ):
         for i in range(rounds):
-            order = list(SIDES) if i % 2 == 0 else list(SIDES)[::-1]
+            order = list(SIDES)[i % 3 :] + list(SIDES)[: i % 3]
             for side in order:
                 only(stack, side)
                 try:
@@ -95,28 +105,31 @@ def main(argv: list[str] | None = None) -> int:
     ok = {side: [r for r in rs if "error" not in r] for side, rs in runs.items()}
     setup = "ddp 2 nodes x 1, two hosts (netns)"
     floor_name = "the same job on the hosts' network"
-    result = {
-        "name": "mesh",
-        "title": "A routed multi-node job's own network: its cost against the hosts' network",
-        "figures": [
+    figures = []
+    for side in ("routed", "private"):
+        figures += [
             figure(
-                "2-node DDP throughput, routed mesh",
+                f"2-node DDP throughput, {side} mesh",
                 "samples/s",
-                [r["samples_per_sec"] for r in ok["routed"] if r["samples_per_sec"]],
+                [r["samples_per_sec"] for r in ok[side] if r["samples_per_sec"]],
                 [r["samples_per_sec"] for r in ok["host network"] if r["samples_per_sec"]],
                 setup=setup,
                 floor_name=floor_name,
                 target="near 1",
             ),
             figure(
-                "2-node DDP POST -> first step, routed mesh",
+                f"2-node DDP POST -> first step, {side} mesh",
                 "s",
-                [r["first_step_s"] for r in ok["routed"] if r["first_step_s"]],
+                [r["first_step_s"] for r in ok[side] if r["first_step_s"]],
                 [r["first_step_s"] for r in ok["host network"] if r["first_step_s"]],
                 setup=setup,
                 floor_name=floor_name,
             ),
-        ],
+        ]
+    result = {
+        "name": "mesh",
+        "title": "A multi-node job's own network (routed, private): its cost against the hosts' network",
+        "figures": figures,
         "notes": [f"{side}: {r['error'][-300:]}" for side, rs in runs.items() for r in rs if "error" in r],
         "raw": runs,
     }

@@ -7,7 +7,7 @@ both tiers' files, merged, are `tests/module_seconds.json`, which orders the mod
 first (tests/conftest.py). It was taken out while xdist's groups were not honoured (that order
 then put the same heavy module's tests on both processes at once, each building the module's
 stack); `ModuleGroupScheduling` keeps a module on one process, and the file is back, from
-the CI run of 455293f (2026-12-07, AMD EPYC, 2 cores, two test processes; the order is what
+the CI run of 44d8547 (2026-12-07, Intel Xeon, 2 cores, two test processes; the order is what
 counts). Refresh it when modules are added or grow, or when a change moves a module's cost
 (that run made the one-test stacks of six modules cold: their order changed)."""
 

@@ -156,11 +156,14 @@ def prepare_job_network(ctx: WorkerContext) -> None:
     elif settings.job_network == "private" and iso.sandboxed:
         try:
             job_network.prepare_private()
-            ctx.job_subnet = job_subnet(ctx)
-        except (job_network.NetworkUnavailable, hosts.NoSubnet) as exc:
+        except job_network.NetworkUnavailable as exc:  # a normal user's worker: it cannot
             log.warning("multi-node jobs run on the host's network here (%s): they can reach what "
                         "this host can (docs/security.md, Network)", exc)  # fmt: skip
             return
+        try:  # a worker that could wall them never falls back for want of a subnet
+            ctx.job_subnet = job_subnet(ctx)
+        except hosts.NoSubnet as exc:
+            raise SystemExit(f"multi-node jobs' own networks: {exc}") from exc
         ctx.node_meshes = True
         log.info("multi-node jobs' nodes get networks of their own from %s", ctx.job_subnet)
 

@@ -7,10 +7,8 @@ which is the node's own). Two hosts: tests/integration/test_routed_network.py.""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -19,6 +17,10 @@ import pytest
 
 from service.testing import harness
 from service.testing.harness import Stack
+from tests.integration.test_routed_network import probes_of
+from tests.workers.launcher.test_job_network import host_service
+
+__all__ = ["host_service"]  # the fixture: a service of the host's own, on all its addresses
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="a multi-node job's own network needs a root worker"
@@ -30,30 +32,6 @@ def stack(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Stack]:
     s = harness.production_stack(tmp_path, pg_url, redis_url, workers={"m1": 1, "m2": 1}, warm=False)
     yield s
     s.stop()
-
-
-@pytest.fixture
-def host_service() -> Iterator[int]:
-    """A service of the host's own, on all its addresses, answering "host"."""
-    server = socket.create_server(("0.0.0.0", 0))
-    server.settimeout(0.5)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            conn.sendall(b"host")
-            conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield server.getsockname()[1]
-    stop.set()
-    thread.join()
-    server.close()
 
 
 def host_address() -> str:
@@ -87,12 +65,7 @@ def test_a_two_node_job_meets_over_its_own_addresses_and_reaches_no_host_service
     done = stack.wait_job(job["id"], timeout=240)
     assert done["state"] == "succeeded", stack.describe(job["id"])
     assert {a["worker"] for a in done["assignments"]} == {"m1", "m2"}
-    seen = {}
-    with stack.client() as c:
-        for node in (0, 1):
-            log = c.get(f"/v1/jobs/{job['id']}/logs", params={"node": node, "rank": 0}).text
-            line = next(x for x in log.splitlines() if x.startswith("PROBE "))
-            seen[node] = json.loads(line.removeprefix("PROBE "))
+    seen = probes_of(stack, job["id"])
     assert seen[0]["sum"] == seen[1]["sum"] == 3.0, seen
     # node 0's own address, in the /24 the control plane gave this host (service/hosts/subnets.py)
     assert seen[0]["master"].startswith("10.213.0."), seen

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 import pytest
@@ -67,6 +68,17 @@ def test_a_ddp_job_meets_on_its_own_loopback_and_trains(stack: Stack) -> None:
     assert done["state"] == "succeeded", stack.describe(job["id"])
 
 
+def probes_of(stack: Stack, job_id: int) -> dict[int, dict[str, Any]]:
+    """What rank 0 of each of a job's two nodes saw (mesh_probe.py's PROBE line)."""
+    seen = {}
+    with stack.client() as c:
+        for node in (0, 1):
+            log = c.get(f"/v1/jobs/{job_id}/logs", params={"node": node, "rank": 0}).text
+            line = next(x for x in log.splitlines() if x.startswith("PROBE "))
+            seen[node] = json.loads(line.removeprefix("PROBE "))
+    return seen
+
+
 HOST_LISTENER = r"""
 import socket
 s = socket.create_server(("0.0.0.0", 9000))
@@ -107,12 +119,7 @@ def test_a_two_host_job_meets_over_its_own_addresses_and_reaches_no_host(two_hos
         )
         done = stack.wait_job(job["id"], timeout=240)
         assert done["state"] == "succeeded", stack.describe(job["id"])
-        seen = {}
-        with stack.client() as c:
-            for node in (0, 1):
-                log = c.get(f"/v1/jobs/{job['id']}/logs", params={"node": node, "rank": 0}).text
-                line = next(x for x in log.splitlines() if x.startswith("PROBE "))
-                seen[node] = json.loads(line.removeprefix("PROBE "))
+        seen = probes_of(stack, job["id"])
     finally:
         listener.kill()
         listener.wait()

@@ -274,6 +274,9 @@ def test_a_worker_asked_for_a_routed_network_it_cannot_give_does_not_start() -> 
     listed = ["nft", "list", "table", "inet", "torchjobs_private"]
     wall = subprocess.run(listed, capture_output=True, text=True)
     assert 'iifname "tjh*" drop' in wall.stdout, wall.stderr
+    # a worker that could wall them does not fall back to the host network for want of a subnet
+    with pytest.raises(SystemExit, match="TORCHJOBS_JOB_SUBNET_POOL"):
+        prepare_job_network(worker(iso, job_network="private", job_subnet_pool="10.0.0.0/25"))
     unsandboxed = worker(UNISOLATED, job_network="private")
     prepare_job_network(unsandboxed)
     assert not unsandboxed.node_meshes and unsandboxed.job_subnet is None
