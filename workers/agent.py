@@ -154,15 +154,15 @@ def prepare_job_network(ctx: WorkerContext) -> None:
         ctx.node_meshes = True
         log.info("job nodes get routed networks from %s (nftables: inet torchjobs)", ctx.job_subnet)
     elif settings.job_network == "private" and iso.sandboxed:
-        try:
-            job_network.prepare_private()
-        except job_network.NetworkUnavailable as exc:  # a normal user's worker: it cannot
+        why_not = job_network.private_mesh_unavailable()
+        if why_not is not None:  # a normal user's worker: it cannot
             log.warning("multi-node jobs run on the host's network here (%s): they can reach what "
-                        "this host can (docs/security.md, Network)", exc)  # fmt: skip
+                        "this host can (docs/security.md, Network)", why_not)  # fmt: skip
             return
-        try:  # a worker that could wall them never falls back for want of a subnet
+        try:  # a worker that can wall them never falls back to the host's network
             ctx.job_subnet = job_subnet(ctx)
-        except hosts.NoSubnet as exc:
+            job_network.prepare_private(ctx.job_subnet)
+        except (job_network.NetworkUnavailable, hosts.NoSubnet) as exc:
             raise SystemExit(f"multi-node jobs' own networks: {exc}") from exc
         ctx.node_meshes = True
         log.info("multi-node jobs' nodes get networks of their own from %s", ctx.job_subnet)

@@ -34,10 +34,13 @@ def blocks(pool: str) -> list[str]:
     return [str(block) for block in network.subnets(new_prefix=BLOCK_PREFIX)]
 
 
-def subnet_of_host(db: Database, address: str, pool: str, tries: int = 20) -> str:
-    """The host's /24, given now if it has none. Two hosts asking at once may pick the same
-    free one: the loser's insert fails on the unique subnet and it picks again."""
+def subnet_of_host(db: Database, address: str, pool: str, tries: int | None = None) -> str:
+    """The host's /24, given now if it has none. Hosts asking at once pick the same first free
+    one: each loser's insert fails on the unique subnet and it picks again. Every such failure
+    means another host took a block, so a whole pool's worth of tries (a hundred hosts
+    rolled out at once) always ends."""
     candidates = blocks(pool)
+    tries = len(candidates) + 5 if tries is None else tries
     for _ in range(tries):
         with db.transaction() as session:
             kept = repo.host_subnet(session, address)

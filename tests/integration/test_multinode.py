@@ -101,7 +101,10 @@ def test_wrong_master_address_fails_promptly_naming_the_node(two_hosts) -> None:
     good = net.add_host("hostb")
     wrong_ns = net.add_host("hosta")
     # node 0 is placed on "a-wrong" (best fit ties break by name); it announces an address
-    # on the bridge that nobody holds, so no node can reach the rendezvous master there.
+    # on the bridge that nobody holds, so no node can reach the rendezvous master there. On
+    # the hosts' network, where the worker's address is the master's (a node of a job's own
+    # network meets at its own address, and a failure names that one)
+    env = {**env, "TORCHJOBS_JOB_NETWORK": "host"}
     stack.start_worker("a-wrong", 2, address=f"{net.subnet}.99", extra_env=env, netns=net.namespace("hosta"))
     stack.start_worker("b-good", 2, address=good, extra_env=env, netns=net.namespace("hostb"))
     assert wrong_ns

@@ -22,7 +22,7 @@ import subprocess
 from dataclasses import dataclass
 
 from workers.launcher.job_network import (
-    PEER_SET,
+    MESH_SETS,
     PEERS_IN,
     PEERS_OUT,
     RULE_PREF,
@@ -63,7 +63,7 @@ class Mesh:
             ]
             _run(["ip", "-batch", "-"], "\n".join(routes) + "\n")
         if self.peers and self.elements:
-            _run(["nft", "-f", "-"], self._sets() + self._elements("add"))
+            _run(["nft", "-f", "-"], MESH_SETS + self._elements("add"))
 
     def close(self) -> None:
         if self.peers and self.elements:
@@ -71,13 +71,6 @@ class Mesh:
         subprocess.run(["ip", "route", "flush", "table", self.table], capture_output=True)
         subprocess.run(["ip", "rule", "del", "from", f"{self.mine.job_address}/32", "lookup", self.table],
                        capture_output=True)  # fmt: skip
-
-    @staticmethod
-    def _sets() -> str:
-        """The table and its two sets, where no routed worker made them (adding is a no-op
-        where it did; a routed worker's start keeps them)."""
-        made = (f"add set inet {TABLE} {name} {{ {PEER_SET} }}\n" for name in (PEERS_OUT, PEERS_IN))
-        return f"add table inet {TABLE}\n" + "".join(made)
 
     def _elements(self, verb: str) -> str:
         veth, me = f'"{self.mine.host_if}"', self.mine.job_address

@@ -191,27 +191,48 @@ def prepare_host(subnet: str, allow: str = "") -> None:
     """At worker start: the table, and IPv4 forwarding on (the host routes its jobs' traffic)."""
     if os.geteuid() != 0:
         raise NetworkUnavailable("TORCHJOBS_JOB_NETWORK=routed needs a worker running as root")
-    network = ipaddress.ip_network(subnet)
-    if network.version != 4 or network.prefixlen > 30:
-        raise NetworkUnavailable(f"TORCHJOBS_JOB_SUBNET {subnet!r}: an IPv4 network of at least a /30")
+    network = check_subnet(subnet)
     _run(["nft", "-f", "-"], rules(str(network), allowances(allow), host_subnets()))
     for name in sweep_left():
         log.info("removed job veth %s, made by a worker no longer running", name)
     forward_all()
 
 
-def prepare_private() -> None:
-    """At worker start, `private`: what a multi-node job's private mesh needs (a root worker,
-    `ip` and `nsenter`; no nftables), and what a killed worker left of one removed."""
+def private_mesh_unavailable() -> str | None:
+    """Why this worker cannot give multi-node jobs meshes (not root, or no `ip`/`nsenter`):
+    then they keep the host's network. None: it can, and must (a failure after is fatal)."""
     if os.geteuid() != 0:
-        raise NetworkUnavailable("a multi-node job's own network needs a worker running as root")
+        return "a multi-node job's own network needs a worker running as root"
     missing = [tool for tool in ("ip", "nsenter") if shutil.which(tool) is None]
-    if missing:
-        raise NetworkUnavailable(f"a multi-node job's own network needs {' and '.join(missing)}")
+    return f"a multi-node job's own network needs {' and '.join(missing)}" if missing else None
+
+
+def prepare_private(subnet: str) -> None:
+    """At worker start, `private`, where the worker can give meshes: its subnet checked, what
+    a killed worker left of one removed, and where nftables is, the sets (so that looking for
+    a killed node's elements never depends on an error's wording) and the host ends' wall."""
+    check_subnet(subnet)
+    if mesh_elements():
+        _run(["nft", "-f", "-"], MESH_SETS + PRIVATE_WALL)
     for name in sweep_left(mesh_elements()):
         log.info("removed job veth %s, made by a worker no longer running", name)
-    if mesh_elements():
-        _run(["nft", "-f", "-"], PRIVATE_WALL)
+
+
+def check_subnet(subnet: str) -> ipaddress.IPv4Network:
+    try:
+        network = ipaddress.ip_network(subnet)
+    except ValueError as exc:
+        raise NetworkUnavailable(f"TORCHJOBS_JOB_SUBNET {subnet!r} is not a network") from exc
+    if not isinstance(network, ipaddress.IPv4Network) or network.prefixlen > 30:
+        raise NetworkUnavailable(f"TORCHJOBS_JOB_SUBNET {subnet!r}: an IPv4 network of at least a /30")
+    return network
+
+
+# The table and its two mesh sets, where no routed worker made them (adding is a no-op where
+# one did; a routed worker's start keeps them).
+MESH_SETS = f"add table inet {TABLE}\n" + "".join(
+    f"add set inet {TABLE} {name} {{ {PEER_SET} }}\n" for name in (PEERS_OUT, PEERS_IN)
+)
 
 
 # Where nftables is, a private mesh's host ends also drop whatever reaches the host itself
@@ -317,11 +338,13 @@ def _sysctl(name: str, value: str) -> None:
 
 
 def _mac(interface: str) -> str:
-    done = subprocess.run(["ip", "-j", "link", "show", interface], capture_output=True, text=True, timeout=30)
     try:
+        done = subprocess.run(
+            ["ip", "-j", "link", "show", interface], capture_output=True, text=True, timeout=30
+        )
         return str(json.loads(done.stdout)[0]["address"])
-    except (ValueError, LookupError) as exc:
-        raise NetworkUnavailable(f"no MAC address for {interface}: {done.stderr.strip()}") from exc
+    except (OSError, subprocess.TimeoutExpired, ValueError, LookupError) as exc:
+        raise NetworkUnavailable(f"no MAC address for {interface}: {exc}") from exc
 
 
 def move_in(outer_pid: int, veth: Attached) -> None:

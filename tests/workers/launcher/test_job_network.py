@@ -277,6 +277,8 @@ def test_a_worker_asked_for_a_routed_network_it_cannot_give_does_not_start() -> 
     # a worker that could wall them does not fall back to the host network for want of a subnet
     with pytest.raises(SystemExit, match="TORCHJOBS_JOB_SUBNET_POOL"):
         prepare_job_network(worker(iso, job_network="private", job_subnet_pool="10.0.0.0/25"))
+    with pytest.raises(SystemExit, match="at least a /30"):  # nor for an admin's bad one
+        prepare_job_network(worker(iso, job_network="private", job_subnet="10.250.0.0/31"))
     unsandboxed = worker(UNISOLATED, job_network="private")
     prepare_job_network(unsandboxed)
     assert not unsandboxed.node_meshes and unsandboxed.job_subnet is None
