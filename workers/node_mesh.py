@@ -76,8 +76,8 @@ def join(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> JoinedMesh:
         joined.master_address = nodes[0].job_address
         joined.hosts = _hosts(key, nodes)
         peers = _peers(key, nodes, subnet)
-        joined.veth = dataclasses.replace(veth, gateway=walled, peers=tuple(p.job_address for p in peers))
-        joined.mesh = job_mesh.Mesh(veth, peers, walled, elements)
+        joined.veth = dataclasses.replace(veth, peers=tuple(p.job_address for p in peers))
+        joined.mesh = job_mesh.Mesh(veth, peers, elements)
         joined.mesh.open()
     except job_network.NetworkUnavailable as exc:
         joined.close()

@@ -44,17 +44,17 @@ class Peer:
 
 
 class Mesh:
-    """`walled`: a routed node (the host forwards already); `elements`: nftables is here, so
-    the node's elements go in the sets (a routed worker's walls would drop it otherwise)."""
+    """`elements`: nftables is here, so the node's elements go in the sets (a routed worker's
+    walls would drop it otherwise)."""
 
-    def __init__(self, mine: Attached, peers: list[Peer], walled: bool = True, elements: bool = True) -> None:
-        self.mine, self.peers, self.walled, self.elements = mine, peers, walled, elements
+    def __init__(self, mine: Attached, peers: list[Peer], elements: bool = True) -> None:
+        self.mine, self.peers, self.elements = mine, peers, elements
         self.table = str(route_table(mine))
 
     def open(self) -> None:
         remote = [p for p in self.peers if not p.local]
         if remote:
-            if not self.walled:  # routed hosts forward already (job_network.prepare_host)
+            if not self.mine.gateway:  # a routed host forwards already (job_network.prepare_host)
                 forward_all()
             me = self.mine.job_address
             _run(["ip", "rule", "add", "from", f"{me}/32", "lookup", self.table, "pref", str(RULE_PREF)])

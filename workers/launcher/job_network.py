@@ -212,9 +212,10 @@ def prepare_private(subnet: str) -> None:
     a killed worker left of one removed, and where nftables is, the sets (so that looking for
     a killed node's elements never depends on an error's wording) and the host ends' wall."""
     check_subnet(subnet)
-    if mesh_elements():
+    elements = mesh_elements()
+    if elements:
         _run(["nft", "-f", "-"], MESH_SETS + PRIVATE_WALL)
-    for name in sweep_left(mesh_elements()):
+    for name in sweep_left(elements):
         log.info("removed job veth %s, made by a worker no longer running", name)
 
 
@@ -283,7 +284,8 @@ def reserve(subnet: str, elements: bool = True, sealed: bool = False) -> Attache
     """A veth pair and its /30, made before the sandbox exists: a multi-node job's nodes learn
     each other's addresses (and node 0's, their rendezvous) before any of them starts.
     `elements`: the host has nftables, so mesh elements may name this veth (mesh_elements).
-    `sealed`: a private mesh's, where no nftables rule walls the host end (`_seal`)."""
+    `sealed`: a private mesh's, where no nftables rule walls the host end (`_seal`) and no
+    default route goes through it (`gateway`)."""
     network = ipaddress.ip_network(subnet)
     slots = network.num_addresses // 4
     start = random.randrange(slots)
@@ -311,7 +313,7 @@ def reserve(subnet: str, elements: bool = True, sealed: bool = False) -> Attache
         forget(veth, elements)
         if sealed:
             _seal(name)
-            veth = dataclasses.replace(veth, host_mac=_mac(name), job_mac=_mac(veth.peer_if))
+            veth = dataclasses.replace(veth, gateway=False, host_mac=_mac(name), job_mac=_mac(veth.peer_if))
     except NetworkUnavailable:
         release(veth)
         raise
@@ -324,17 +326,19 @@ def _seal(host_if: str) -> None:
     every address of the host, this end's own included) and no IPv6 (its link-local address
     would answer the host's services that listen on `::`). Its neighbours are written, both
     ways (move_in): nothing is ever asked on this link."""
-    _sysctl(f"ipv4/conf/{host_if}/arp_ignore", "8")
+    _sysctl(f"ipv4/conf/{host_if}/arp_ignore", "8", f"could not turn ARP replies off for {host_if}")
     if os.path.exists(f"/proc/sys/net/ipv6/conf/{host_if}"):
-        _sysctl(f"ipv6/conf/{host_if}/disable_ipv6", "1")
+        _sysctl(f"ipv6/conf/{host_if}/disable_ipv6", "1", f"could not turn IPv6 off for {host_if}")
 
 
-def _sysctl(name: str, value: str) -> None:
+def _sysctl(name: str, value: str, failure: str) -> None:
+    """One of the host's `net` settings (`/proc/sys/net/NAME`), or NetworkUnavailable saying
+    `failure`."""
     try:
         with open(f"/proc/sys/net/{name}", "w") as fh:
             fh.write(value + "\n")
     except OSError as exc:
-        raise NetworkUnavailable(f"could not set {name}: {exc}") from exc
+        raise NetworkUnavailable(f"{failure}: {exc}") from exc
 
 
 def _mac(interface: str) -> str:
@@ -400,31 +404,19 @@ def _strict_source(host_if: str) -> None:
     job's own address. Defence in depth: the job has no capability to forge one, and the mesh
     elements name the veth a packet must come from anyway (the kernel takes the looser of this
     and `conf.all`)."""
-    try:
-        with open(f"/proc/sys/net/ipv4/conf/{host_if}/rp_filter", "w") as fh:
-            fh.write("1\n")
-    except OSError as exc:
-        raise NetworkUnavailable(f"could not turn reverse-path filtering on for {host_if}: {exc}") from exc
+    _sysctl(f"ipv4/conf/{host_if}/rp_filter", "1", f"could not turn reverse-path filtering on for {host_if}")
 
 
 def _forwarding(host_if: str) -> None:
     """Forwarding on the host end (IPv4 checks the interface a packet comes in by): a node's
     packets to its peers on this host are forwarded without turning the whole host into a
     router. Peers on other hosts need the host's own forwarding (job_mesh.Mesh.open)."""
-    try:
-        with open(f"/proc/sys/net/ipv4/conf/{host_if}/forwarding", "w") as fh:
-            fh.write("1\n")
-    except OSError as exc:
-        raise NetworkUnavailable(f"could not turn forwarding on for {host_if}: {exc}") from exc
+    _sysctl(f"ipv4/conf/{host_if}/forwarding", "1", f"could not turn forwarding on for {host_if}")
 
 
 def forward_all() -> None:
     """IPv4 forwarding for the whole host: its jobs' packets to and from other hosts."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_forward", "w") as fh:
-            fh.write("1\n")
-    except OSError as exc:
-        raise NetworkUnavailable(f"could not turn IPv4 forwarding on: {exc}") from exc
+    _sysctl("ipv4/ip_forward", "1", "could not turn IPv4 forwarding on")
 
 
 def sweep_left(elements: bool = True) -> list[str]:
@@ -471,8 +463,6 @@ def _forget_elements(veth: Attached) -> None:
         listed = subprocess.run(
             ["nft", "-j", "list", "set", "inet", TABLE, name], capture_output=True, text=True, timeout=30
         )
-        if listed.returncode != 0 and "No such file" in listed.stderr:
-            return  # no table: no routed worker ever ran here, no mesh element either
         if listed.returncode != 0:
             raise NetworkUnavailable(f"nft list set {name}: {listed.stderr.strip()}")
         gone = [e for e in _elements(listed.stdout) if mine & set(e)]
