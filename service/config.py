@@ -65,14 +65,16 @@ class Settings(BaseSettings):
     # whenever the worker can, "off" never does (the worker then says isolation "none").
     sandbox: Literal["auto", "off"] = "auto"
     sandbox_user: str = "torchjobs-run"  # a root worker's ranks run as this user (else nobody)
-    # (contract §7 v3) "private": a job node's sandbox has a network namespace of its own (a
+    # (contract §7 v3) "auto": "routed" where the worker can give it (root, sandboxed,
+    # nftables that takes its table), else "private", said at start; "private": a job node's
+    # sandbox has a network namespace of its own (a
     # single-node job's ranks meet on its own loopback; a multi-node job's nodes, on a root
     # worker, over a veth each with a route to each other and to nothing else; no host service,
     # no other job, and no route out); "routed": the same namespaces, the world routed and
     # masqueraded and the host, other jobs and private ranges walled (a root worker with
     # nftables: workers/launcher/job_network.py); "host": every job on the host's network, as
     # before v3 (docs/security.md, "Network").
-    job_network: Literal["private", "routed", "host"] = "private"
+    job_network: Literal["auto", "private", "routed", "host"] = "auto"
     # this host's job subnet (a /30 of it per job node); unset: the control plane gives each
     # host address a /24 of the pool (service/hosts/subnets.py), unique in the cluster
     job_subnet: str | None = None

@@ -108,7 +108,7 @@ def spare_sandboxes(ctx: WorkerContext) -> SpareSandboxes:
         spares_root=ctx.run_root / ".spares",
         tmp_root=Path(tempfile.gettempdir()),
         python=sys.executable,
-        private_network=ctx.settings.job_network in ("private", "routed"),
+        private_network=ctx.job_network in ("private", "routed"),
         uids=ctx.uids,
         warm_ranks=ctx.settings.warm_ranks,
     )
@@ -136,36 +136,74 @@ def announce_isolation(iso: Isolation, settings: Settings) -> None:
 
 
 def prepare_job_network(ctx: WorkerContext) -> None:
-    """The host's side of its jobs' networks (contract §7 v3). `routed`: the host's rules and
-    forwarding, or the worker does not start (a job must never get a weaker wall than the
-    admin asked for). `private`: multi-node jobs' meshes where the worker can make them; where
-    it cannot (not root), it says so, and their nodes keep the host's network."""
-    settings, iso = ctx.settings, ctx.isolation
-    if settings.job_network == "routed":
-        if not iso.sandboxed:
-            raise SystemExit(
-                "TORCHJOBS_JOB_NETWORK=routed needs the sandbox, and ranks cannot be sandboxed here"
-            )
+    """The host's side of its jobs' networks (contract §7 v3), and which one they get
+    (`ctx.job_network`). `routed`: the host's rules and forwarding, or the worker does not
+    start (a job must never get a weaker wall than the admin asked for). `auto`: routed where
+    this worker can give it, else private, said at start. `private`: multi-node jobs' meshes
+    where the worker can make them; where it cannot (not root), it says so, and their nodes
+    keep the host's network."""
+    mode = ctx.settings.job_network
+    if mode == "auto":
+        mode = "routed" if _routed_where_it_can(ctx) else "private"
+    elif mode == "routed":
+        if not ctx.isolation.sandboxed:
+            raise SystemExit("TORCHJOBS_JOB_NETWORK=routed needs the sandbox; ranks cannot be sandboxed here")
+        _prepare_routed(ctx, "TORCHJOBS_JOB_NETWORK=routed")
+    ctx.job_network = mode
+    if mode == "private" and ctx.isolation.sandboxed:
+        _prepare_private(ctx)
+
+
+def _routed_where_it_can(ctx: WorkerContext) -> bool:
+    """`auto`: the routed network (the world reachable, contract §7 v3) where this worker can
+    give it. Where it cannot (not root, no sandbox, no nftables), the jobs get the private
+    one, which walls as much and routes nothing out: said here, once. A bad subnet or pool is
+    the admin's to fix in any mode: the worker stops."""
+    why_not = job_network.routed_unavailable() if ctx.isolation.sandboxed else "ranks are not sandboxed"
+    if why_not is None:
         try:
-            ctx.job_subnet = job_subnet(ctx)
-            job_network.prepare_host(ctx.job_subnet, settings.job_network_allow)
-        except (job_network.NetworkUnavailable, hosts.NoSubnet) as exc:
-            raise SystemExit(f"TORCHJOBS_JOB_NETWORK=routed: {exc}") from exc
-        ctx.node_meshes = True
-        log.info("job nodes get routed networks from %s (nftables: inet torchjobs)", ctx.job_subnet)
-    elif settings.job_network == "private" and iso.sandboxed:
-        why_not = job_network.private_mesh_unavailable()
-        if why_not is not None:  # a normal user's worker: it cannot
-            log.warning("multi-node jobs run on the host's network here (%s): they can reach what "
-                        "this host can (docs/security.md, Network)", why_not)  # fmt: skip
-            return
-        try:  # a worker that can wall them never falls back to the host's network
-            ctx.job_subnet = job_subnet(ctx)
-            job_network.prepare_private(ctx.job_subnet)
-        except (job_network.NetworkUnavailable, hosts.NoSubnet) as exc:
-            raise SystemExit(f"multi-node jobs' own networks: {exc}") from exc
-        ctx.node_meshes = True
-        log.info("multi-node jobs' nodes get networks of their own from %s", ctx.job_subnet)
+            _prepare_routed(ctx, "job networks")
+            return True
+        except job_network.NetworkUnavailable as exc:  # a kernel without nf_tables, say
+            why_not = str(exc)
+    log.warning("jobs get no route to the world here (%s): the private network "
+                "(docs/security.md, Network)", why_not)  # fmt: skip
+    return False
+
+
+def _prepare_routed(ctx: WorkerContext, name: str) -> None:
+    """The rules and forwarding. What the admin set wrong (the subnet, the pool, the opened
+    ranges) stops the worker in any mode; what the host refuses stops it where routed was
+    asked for, and is raised to an `auto` worker, which falls back."""
+    try:
+        ctx.job_subnet = job_subnet(ctx)
+        job_network.check_subnet(ctx.job_subnet)
+        job_network.allowances(ctx.settings.job_network_allow)
+    except (job_network.NetworkUnavailable, hosts.NoSubnet) as exc:
+        raise SystemExit(f"{name}: {exc}") from exc
+    try:
+        job_network.prepare_host(ctx.job_subnet, ctx.settings.job_network_allow)
+    except job_network.NetworkUnavailable as exc:
+        if ctx.settings.job_network == "auto":
+            raise
+        raise SystemExit(f"{name}: {exc}") from exc
+    ctx.node_meshes = True
+    log.info("job nodes get routed networks from %s (nftables: inet torchjobs)", ctx.job_subnet)
+
+
+def _prepare_private(ctx: WorkerContext) -> None:
+    why_not = job_network.private_mesh_unavailable()
+    if why_not is not None:  # a normal user's worker: it cannot
+        log.warning("multi-node jobs run on the host's network here (%s): they can reach what "
+                    "this host can (docs/security.md, Network)", why_not)  # fmt: skip
+        return
+    try:  # a worker that can wall them never falls back to the host's network
+        ctx.job_subnet = job_subnet(ctx)
+        ctx.mesh_elements = job_network.prepare_private(ctx.job_subnet)
+    except (job_network.NetworkUnavailable, hosts.NoSubnet) as exc:
+        raise SystemExit(f"multi-node jobs' own networks: {exc}") from exc
+    ctx.node_meshes = True
+    log.info("multi-node jobs' nodes get networks of their own from %s", ctx.job_subnet)
 
 
 def job_subnet(ctx: WorkerContext) -> str:

@@ -35,10 +35,13 @@ class WorkerContext:
     sandbox_read_only: tuple[str, ...] = ()  # what every sandbox of this worker binds read-only
     uids: UidPool | None = None  # a uid per job node (a root worker's sandbox), else None
     cgroups: Hierarchy | None = None  # where each node's control groups are made (None: none)
+    # the network its job nodes get: settings.job_network, "auto" resolved at start (agent.py)
+    job_network: str = "private"
     # this host's job subnet (routed, or a private mesh), and whether a multi-node job's nodes
     # get networks of their own (workers/node_mesh.py; else they keep the host's)
     job_subnet: str | None = None
     node_meshes: bool = False
+    mesh_elements: bool = False  # a private mesh's nftables elements too (job_network.mesh_elements)
 
     @property
     def run_root(self) -> Path:

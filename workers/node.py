@@ -202,8 +202,8 @@ def _launch(
         code_dir=code_dir,
         site_first=_environment(ctx, key, claimed.pip, run_dir) if claimed.pip else None,
         worker_slots=ctx.gpus,
-        private_network=ctx.settings.job_network in ("private", "routed"),
-        routed_subnet=ctx.job_subnet if ctx.settings.job_network == "routed" else None,
+        private_network=ctx.job_network in ("private", "routed"),
+        routed_subnet=ctx.job_subnet if ctx.job_network == "routed" else None,
     )
 
 

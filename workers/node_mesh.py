@@ -1,5 +1,5 @@
 """A multi-node job's nodes meet (contract §7 v3, `TORCHJOBS_JOB_NETWORK` `routed` or the
-default `private` on a root worker).
+`private` mode on a root worker).
 
 Each node's ranks run in a network namespace of their own, as a single-node job's do, with a
 veth from its host's job subnet (`TORCHJOBS_JOB_SUBNET`, else the /24 the control plane gave
@@ -62,9 +62,9 @@ class JoinedMesh:
 
 def join(ctx: WorkerContext, key: NodeKey, timeout_s: float) -> JoinedMesh:
     """This node's veth, its address said, every other node's awaited, the mesh opened."""
-    subnet, walled = ctx.job_subnet, ctx.settings.job_network == "routed"
+    subnet, walled = ctx.job_subnet, ctx.job_network == "routed"
     assert subnet is not None, "a mesh is joined only where the worker has a job subnet"
-    elements = walled or job_network.mesh_elements()
+    elements = walled or ctx.mesh_elements
     try:
         veth = job_network.reserve(subnet, elements, sealed=not walled)
     except job_network.NetworkUnavailable as exc:

@@ -1,4 +1,5 @@
-"""Contract §7 v3 with `TORCHJOBS_JOB_NETWORK=routed`, through a real stack (PostgreSQL, Redis, a
+"""Contract §7 v3 in the routed network (`TORCHJOBS_JOB_NETWORK=routed`, and the default where
+the worker is root and has nftables), through a real stack (PostgreSQL, Redis, a
 real worker running as root, the real sandbox): a job reaches a "world" host beyond this one
 and neither the host's PostgreSQL (on its loopback, its gateway or its world-side address)
 nor a private range; a DDP job still meets on its own loopback and trains."""
@@ -27,9 +28,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a routed job network 
 
 @pytest.fixture
 def stack(tmp_path: Path, pg_url: str, redis_url: str, world: str) -> Iterator[Stack]:
-    s = harness.production_stack(
-        tmp_path, pg_url, redis_url, workers={"r1": 2}, TORCHJOBS_JOB_NETWORK="routed"
-    )
+    # the default, `auto`: routed on a root worker with nftables (CI installs it)
+    s = harness.production_stack(tmp_path, pg_url, redis_url, workers={"r1": 2})
     yield s
     s.stop()
 
@@ -44,7 +44,7 @@ def probe(stack: Stack, *targets: str) -> dict[str, str]:
     return json.loads(line.removeprefix("PROBE "))
 
 
-def test_a_routed_job_reaches_the_world_but_no_host_service(stack: Stack, pg_url: str) -> None:
+def test_a_job_reaches_the_world_but_no_host_service(stack: Stack, pg_url: str) -> None:
     pg_port = urlparse(pg_url).port or 5432
     world_target = f"{WORLD}:{WORLD_PORT}"
     walled = (f"GATEWAY:{pg_port}", f"{WORLD_GATEWAY}:{pg_port}", "10.255.255.1:80")
@@ -90,7 +90,7 @@ while True:
 @pytest.mark.parametrize("network", ["routed", "private"])
 def test_a_two_host_job_meets_over_its_own_addresses_and_reaches_no_host(two_hosts, network: str) -> None:
     """Two hosts (network namespaces): routed, each worker with a job subnet its admin gave it;
-    private (the default), each with the /24 the control plane gave its address. The job's two
+    private, each with the /24 the control plane gave its address. The job's two
     nodes meet at node 0's own address and all-reduce; neither reaches a service on either host
     (a listener on host a, host b's address, PostgreSQL through the LAN gateway)."""
     stack, net, env = two_hosts

@@ -1,11 +1,13 @@
 """A sandboxed node's veth: a routed node's (contract §7 v3, `TORCHJOBS_JOB_NETWORK=routed`),
-and a multi-node job's node's in the default `private` mode (its peers only: `_inside`).
+and a multi-node job's node's in the `private` mode (its peers only: `_inside`); `auto`, the
+default, is `routed` where the worker can give it (workers/agent.py).
 
 The node's sandbox has a network namespace of its own (`bwrap --unshare-net`), as in the
 `private` mode; here the worker then plumbs a veth pair into it: `tjhN` on the host with the
 first address of a /30 from `TORCHJOBS_JOB_SUBNET`, `eth0` inside with the second and a default
 route through the first. One nftables table, `inet torchjobs`, the same for every node of the
-host (written whole at worker start, so several workers on one host agree), walls it:
+host (its chains written whole at worker start, so several workers on one host agree; the job
+subnets of all of them kept in one set, added to), walls it:
 
 - **input**: nothing from a job's veth reaches the host itself (any of its addresses, any
   port: PostgreSQL, Redis, the API, another job's torchrun store on the host network);
@@ -67,6 +69,10 @@ WALLED = (
 FLOWS_MAX = 4096  # tracked connections one job node may hold open: the host's conntrack table is shared
 FLOWS = ("flows", "flows_in")  # counted by the job's address as source; as destination
 FLOW_SET = "type ipv4_addr; size 65535; flags dynamic;"
+# every job subnet a worker of this host hands out: added to, never rewritten, so a sibling
+# worker's start with another subnet (an admin's) keeps this one's jobs walled and masqueraded
+SUBNETS = "job_subnets"
+SUBNET_SET = "type ipv4_addr; flags interval; auto-merge;"
 ATTACH_WAIT_S = 10.0
 
 
@@ -141,6 +147,8 @@ def rules(
             # kept: a sibling worker's start must not cut the multi-node jobs running beside it
             f"add table inet {TABLE}",
             *(f"add set inet {TABLE} {name} {{ {PEER_SET} }}" for name in (PEERS_OUT, PEERS_IN)),
+            f"add set inet {TABLE} {SUBNETS} {{ {SUBNET_SET} }}",
+            f"add element inet {TABLE} {SUBNETS} {{ {subnet} }}",
             *(f"add chain inet {TABLE} {c}\ndelete chain inet {TABLE} {c}" for c in CHAINS),
             *(
                 f"add set inet {TABLE} {name} {{ {FLOW_SET} }}\ndelete set inet {TABLE} {name}"
@@ -152,7 +160,7 @@ def rules(
             "    type filter hook input priority -10; policy accept;",
             f"    {jobs} drop",
             # nor from elsewhere (another host's job, routed here) to the host's own veth ends
-            f'    iifname != "lo" ip daddr {subnet} drop',
+            f'    iifname != "lo" ip daddr @{SUBNETS} drop',
             "  }",
             "  chain forward {",
             "    type filter hook forward priority -10; policy accept;",
@@ -173,7 +181,8 @@ def rules(
             "  chain postrouting {",
             "    type nat hook postrouting priority 100; policy accept;",
             f"    iifname . ip saddr . ip daddr @{PEERS_OUT} accept",  # routed as they are, not masqueraded
-            f'    ip saddr {subnet} oifname != "{HOST_IF}*" masquerade',
+            # what a job veth sends: not what a bridge on this host carries for others
+            f'    {jobs} ip saddr @{SUBNETS} oifname != "{HOST_IF}*" masquerade',
             "  }",
             "}",
             "",
@@ -198,6 +207,15 @@ def prepare_host(subnet: str, allow: str = "") -> None:
     forward_all()
 
 
+def routed_unavailable() -> str | None:
+    """Why this worker cannot give routed networks before it tries (not root, no `nft` or
+    `ip`), or None."""
+    if os.geteuid() != 0:
+        return "a routed job network needs a worker running as root"
+    missing = [tool for tool in ("nft", "ip", "nsenter") if shutil.which(tool) is None]
+    return f"a routed job network needs {' and '.join(missing)}" if missing else None
+
+
 def private_mesh_unavailable() -> str | None:
     """Why this worker cannot give multi-node jobs meshes (not root, or no `ip`/`nsenter`):
     then they keep the host's network. None: it can, and must (a failure after is fatal)."""
@@ -207,16 +225,18 @@ def private_mesh_unavailable() -> str | None:
     return f"a multi-node job's own network needs {' and '.join(missing)}" if missing else None
 
 
-def prepare_private(subnet: str) -> None:
+def prepare_private(subnet: str) -> bool:
     """At worker start, `private`, where the worker can give meshes: its subnet checked, what
     a killed worker left of one removed, and where nftables is, the sets (so that looking for
-    a killed node's elements never depends on an error's wording) and the host ends' wall."""
+    a killed node's elements never depends on an error's wording) and the host ends' wall.
+    Whether its meshes add elements (mesh_elements)."""
     check_subnet(subnet)
     elements = mesh_elements()
     if elements:
         _run(["nft", "-f", "-"], MESH_SETS + PRIVATE_WALL)
     for name in sweep_left(elements):
         log.info("removed job veth %s, made by a worker no longer running", name)
+    return elements
 
 
 def check_subnet(subnet: str) -> ipaddress.IPv4Network:
@@ -440,9 +460,16 @@ def sweep_left(elements: bool = True) -> list[str]:
 
 
 def mesh_elements() -> bool:
-    """Whether a private mesh adds its elements too: wherever nftables is, a routed worker may
-    write the walls (now, or while the mesh runs), which drop what no element lets through."""
-    return shutil.which("nft") is not None
+    """Whether a private mesh adds its elements too: wherever nftables works, a routed worker
+    may write the walls (now, or while the mesh runs), which drop what no element lets
+    through. An `nft` the kernel refuses (no nf_tables) walls nothing: no elements needed."""
+    if shutil.which("nft") is None:
+        return False
+    try:
+        done = subprocess.run(["nft", "list", "tables"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def forget(veth: Attached, elements: bool = True) -> None:

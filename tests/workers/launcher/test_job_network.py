@@ -229,14 +229,17 @@ def test_the_rules_wall_private_ranges_and_other_jobs_and_masquerade_the_rest() 
     assert 'iifname "tjh*" drop' in text  # input: nothing from a job reaches the host itself
     assert 'iifname "tjh*" oifname "tjh*" drop' in text
     assert "169.254.0.0/16" in text and "10.0.0.0/8" in text
-    assert f'ip saddr {SUBNET} oifname != "tjh*" masquerade' in text
+    # only what a job's veth sends (not what a bridge on this host carries for others)
+    assert 'iifname "tjh*" ip saddr @job_subnets oifname != "tjh*" masquerade' in text
+    assert f"add element inet torchjobs job_subnets {{ {SUBNET} }}" in text
     # one transaction: the chains and `flows` made anew, the mesh elements kept
     assert text.startswith("add table inet torchjobs\nadd set inet torchjobs peers_out ")
     for chain in ("input", "forward", "postrouting"):
         assert f"add chain inet torchjobs {chain}\ndelete chain inet torchjobs {chain}\n" in text
     assert "delete set inet torchjobs flows\n" in text and "delete set inet torchjobs peers" not in text
+    assert "delete set inet torchjobs job_subnets" not in text  # added to, never rewritten
     # nothing from elsewhere (another host's job routed here) reaches the host's own veth ends
-    assert f'iifname != "lo" ip daddr {SUBNET} drop' in text
+    assert 'iifname != "lo" ip daddr @job_subnets drop' in text
 
 
 def test_the_admin_opens_ranges_and_ports_in_the_walled_ones() -> None:
@@ -282,6 +285,48 @@ def test_a_worker_asked_for_a_routed_network_it_cannot_give_does_not_start() -> 
     unsandboxed = worker(UNISOLATED, job_network="private")
     prepare_job_network(unsandboxed)
     assert not unsandboxed.node_meshes and unsandboxed.job_subnet is None
+
+
+def test_auto_routes_the_world_where_the_worker_can_and_walls_as_much_where_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default (`auto`): routed on a root, sandboxed worker whose nftables takes the
+    table; the private network where the kernel refuses it (an `nft` that fails, as on a
+    kernel without nf_tables) or the worker does not sandbox; a bad subnet stops it in any
+    mode."""
+    from workers.agent import prepare_job_network
+    from workers.launcher.sandbox import UNISOLATED
+
+    iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap=sandbox.find_bwrap(), uid=65534, gid=65534)
+    routed = worker(iso, job_subnet=SUBNET)
+    assert routed.settings.job_network == "auto"
+    prepare_job_network(routed)
+    assert (routed.job_network, routed.node_meshes, routed.job_subnet) == ("routed", True, SUBNET)
+    with pytest.raises(SystemExit, match="at least a /30"):
+        prepare_job_network(worker(iso, job_subnet="10.213.0.0/31"))
+    unsandboxed = worker(UNISOLATED, job_subnet=SUBNET)
+    prepare_job_network(unsandboxed)
+    assert unsandboxed.job_network == "private" and not unsandboxed.node_meshes
+    refusing = tmp_path / "bin"
+    refusing.mkdir()
+    (refusing / "nft").write_text("#!/bin/sh\necho 'Error: Not supported' >&2\nexit 1\n")
+    (refusing / "nft").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{refusing}:{os.environ['PATH']}")
+    fallback = worker(iso, job_subnet="10.250.0.0/24")
+    with caplog.at_level("WARNING", logger="torchjobs.worker"):
+        prepare_job_network(fallback)
+    assert fallback.job_network == "private" and fallback.job_subnet == "10.250.0.0/24"
+    assert fallback.node_meshes and not fallback.mesh_elements  # meshes still, with no nftables
+    assert "no route to the world here" in caplog.text and "Not supported" in caplog.text
+
+
+def test_a_sibling_worker_with_another_subnet_keeps_this_one_s_walled_and_masqueraded() -> None:
+    job_network.prepare_host("10.251.0.0/24")
+    job_network.prepare_host(SUBNET)  # as the other tests expect it, last
+    listed = subprocess.run(
+        ["nft", "list", "set", "inet", "torchjobs", "job_subnets"], capture_output=True, text=True
+    )
+    assert "10.251.0.0/24" in listed.stdout and SUBNET in listed.stdout, listed.stdout
 
 
 def worker(iso: Isolation, **settings: str) -> WorkerContext:
