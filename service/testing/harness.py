@@ -503,19 +503,21 @@ def kill_job_processes(job_id: int, home: Path | None = None) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def warm_ranks_ready(stack: Stack) -> bool:
-    """A spare sandbox of the stack's workers has its rank server listening (warm_agent.py):
-    the next node on it starts its ranks warm. The spare's /tmp is `torchjobs-spare-NAME` in
-    the worker's temporary folder, NAME being its folder under the runs' `.spares`."""
+def warm_ranks_ready(stack: Stack, spares: int = 1) -> bool:
+    """`spares` spare sandboxes of the stack's workers have their rank server listening
+    (warm_agent.py): the next node on each starts its ranks warm. A spare's /tmp is
+    `torchjobs-spare-NAME` in the worker's temporary folder, NAME being its folder under the
+    runs' `.spares`."""
     tmp = Path(stack.env.get("TMPDIR") or tempfile.gettempdir())
+    ready = 0
     for run in stack.home.glob("runs/*/.spares/*/run"):
         if (tmp / f"torchjobs-spare-{run.parent.name}" / ".torchjobs-warm-ranks" / "socket").is_socket():
-            return True
-    return False
+            ready += 1
+    return ready >= spares
 
 
-def wait_warm_ranks(stack: Stack, timeout: float = 120) -> None:
-    wait_for(lambda: warm_ranks_ready(stack), timeout, "a spare sandbox's rank server")
+def wait_warm_ranks(stack: Stack, timeout: float = 120, spares: int = 1) -> None:
+    wait_for(lambda: warm_ranks_ready(stack, spares), timeout, f"{spares} spare sandbox(es)' rank server")
 
 
 def wait_event(

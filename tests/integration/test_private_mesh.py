@@ -1,6 +1,7 @@
-"""Contract §7 v3 for multi-node jobs in the default `private` network, through a real stack
-(PostgreSQL, Redis, two real workers running as root on one host, the real sandbox): each node
-has a network namespace of its own with a route to its job's other node and to nothing else.
+"""Contract §7 v3 for multi-node jobs in a network of their own, `private` (a route to each of
+the job's other nodes and nothing else) and the default (`auto`, routed where nftables is, as in
+CI), through a real stack (PostgreSQL, Redis, two real warm workers running as root on one
+host, the real sandbox): each node has a network namespace of its own, its ranks forked warm.
 The nodes meet at node 0's own address and all-reduce; neither reaches a service listening on
 the host (on all its addresses, through the host's end of its own veth, or on its loopback,
 which is the node's own). Two hosts: tests/integration/test_routed_network.py."""
@@ -27,9 +28,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def stack(tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Stack]:
-    s = harness.production_stack(tmp_path, pg_url, redis_url, workers={"m1": 1, "m2": 1}, warm=False)
+@pytest.fixture(params=["private", "auto"])
+def stack(request: pytest.FixtureRequest, tmp_path: Path, pg_url: str, redis_url: str) -> Iterator[Stack]:
+    """Two warm workers: `private`, and the default (`auto`: routed, where nftables is, as in
+    CI): each node's ranks are forked from its worker's spare sandbox (#42), whose agent waits
+    for the veth moved in at hand-over."""
+    s = harness.production_stack(
+        tmp_path, pg_url, redis_url, workers={"m1": 1, "m2": 1}, TORCHJOBS_JOB_NETWORK=request.param
+    )
     yield s
     s.stop()
 
@@ -50,6 +56,7 @@ def test_a_two_node_job_meets_over_its_own_addresses_and_reaches_no_host_service
     # through its interface bound by name, where the kernel takes any address for one on the
     # link: the sealed host end answers no ARP, so still nothing (contract §7 v3)
     walled += [f"BOUND:{here}:{host_service}", f"BOUND:VIA:{host_service}", f"BOUND:{here}:{pg_port}"]
+    harness.wait_warm_ranks(stack, spares=2)
     job = stack.submit(
         {
             "mode": "ddp",
@@ -67,6 +74,7 @@ def test_a_two_node_job_meets_over_its_own_addresses_and_reaches_no_host_service
     assert {a["worker"] for a in done["assignments"]} == {"m1", "m2"}
     seen = probes_of(stack, job["id"])
     assert seen[0]["sum"] == seen[1]["sum"] == 3.0, seen
+    assert seen[0]["warm"] and seen[1]["warm"], seen  # both nodes' ranks forked warm
     # node 0's own address, in the /24 the control plane gave this host (service/hosts/subnets.py)
     assert seen[0]["master"].startswith("10.213.0."), seen
     assert seen[1]["peer"] == "peer", seen  # its own other node, at that node's own address

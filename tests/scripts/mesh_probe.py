@@ -60,7 +60,12 @@ if rank == 0:
     server = socket.create_server(("0.0.0.0", MESH_PORT))
     threading.Thread(target=serve, args=(server,), daemon=True).start()
 dist.barrier()
-seen = {"sum": total.item(), "master": os.environ["MASTER_ADDR"]}
+# forked from a warm spare's rank server (workers/runtime/warm_rank.py), or started cold
+seen = {
+    "sum": total.item(),
+    "master": os.environ["MASTER_ADDR"],
+    "warm": "workers.runtime.warm_rank" in sys.modules,
+}
 if rank == 1:
     seen["peer"] = reach(os.environ["MASTER_ADDR"], MESH_PORT)
 for target in sys.argv[1:]:

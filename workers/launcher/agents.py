@@ -142,6 +142,10 @@ class WarmAgentPool:
             _kill(proc)
             self.sandboxes.discard(dirs)
             return None
+        if plan.hosts and not self.sandboxes.name_nodes(dirs, plan.hosts):
+            _kill(proc)  # a spare with the host's /etc/hosts cannot serve a mesh node
+            self.sandboxes.discard(dirs)
+            return None
         try:
             self.sandboxes.place(dirs, plan)
         except OSError as exc:
@@ -153,18 +157,19 @@ class WarmAgentPool:
         if group is not None:  # the spare's bwrap and everything in its sandbox
             ns = sandbox_namespace(proc.pid)
             group.add([proc.pid, *(pids_in_namespace(ns) if ns else [])])
-        request = _request(plan.inner_argv, plan.env, RUN_DIR, RUN_DIR / plan.paths.agent_log.name)
+        log_path = RUN_DIR / plan.paths.agent_log.name
+        request = _request(plan.torchrun_argv, plan.env, RUN_DIR, log_path, plan.routes)
         if self._hand_over(proc, request, plan.paths.agent_log):
             self.warm_starts += 1
             return proc
         return None
 
     def _spare_fits(self, plan: LaunchPlan) -> bool:
-        """A spare waits for a node of its kind (a multi-node job's: host network); a node
-        whose veth was made beforehand starts cold (its torchrun waits for the veth first,
-        command.AWAIT_ROUTE, which a spare's agent does not)."""
+        """A spare waits for a node of its network's kind: its own namespace (a single-node
+        job's, or a multi-node job's node in a mesh: its agent waits for the veth the
+        supervisor moves in, `plan.routes`), or the host's."""
         fits = self.sandboxes is not None and self.sandboxes.private_network == plan.private_network
-        return self.enabled and fits and plan.veth is None
+        return self.enabled and fits
 
     def _sandbox_up(self, proc: subprocess.Popen[bytes]) -> bool:
         """The spare's `up` line read (warm_agent.py): bubblewrap has made its binds, so its
@@ -314,9 +319,16 @@ def _inside(argv: list[str], group: NodeGroup | None) -> list[str]:
     return group.join_argv(argv) if group is not None else argv
 
 
-def _request(argv: list[str], env: Mapping[str, str], cwd: Path, log_path: Path) -> bytes:
-    """The one line a warm agent reads (warm_agent.adopt): torchrun's arguments and the rest."""
-    request = {"args": argv[3:], "env": dict(env), "cwd": str(cwd), "log": str(log_path)}
+def _request(
+    argv: list[str],
+    env: Mapping[str, str],
+    cwd: Path,
+    log_path: Path,
+    routes: tuple[float, int] | None = None,
+) -> bytes:
+    """The one line a warm agent reads (warm_agent.adopt): torchrun's arguments and the rest,
+    and the routes it waits for first (a mesh node's)."""
+    request = {"args": argv[3:], "env": dict(env), "cwd": str(cwd), "log": str(log_path), "routes": routes}
     return json.dumps(request).encode() + b"\n"
 
 

@@ -147,7 +147,10 @@ class LaunchPlan:
     config: dict[str, Any] | None
     isolation: Isolation = UNISOLATED
     owner: tuple[int, int] | None = None  # uid, gid the run folder is handed to (a root sandbox)
-    inner_argv: list[str] = field(default_factory=list)  # in a sandbox: torchrun's own command line
+    inner_argv: list[str] = field(default_factory=list)  # in a sandbox: what bwrap runs (cold)
+    torchrun_argv: list[str] = field(default_factory=list)  # ...of which torchrun's own command line
+    # a node whose veth comes from outside: (seconds, peers) its torchrun waits for (ROUTES_UP)
+    routes: tuple[float, int] | None = None
     resume: str | None = None  # the resume file, on the worker's side
     code_dir: Path | None = None  # the job's unpacked code, copied to `paths.workdir` by prepare()
     private_network: bool = False  # its sandbox has a network namespace of its own
@@ -233,9 +236,11 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         config = trainer_config(launch)
         argv += ["-m", "workers.runtime.trainer.train", "--config", str(seen.config)]
     env = rank_env(launch, seen)
-    if meets_over_veth(launch):
+    torchrun = argv
+    routes = (float(launch.rendezvous_timeout_s), awaited_routes(launch)) if meets_over_veth(launch) else None
+    if routes is not None:
         argv = [launch.python, "-S", "-I", "-c", AWAIT_ROUTE, str(launch.rendezvous_timeout_s),
-                str(awaited_routes(launch)), "--", *argv]  # fmt: skip
+                str(routes[1]), "--", *argv]  # fmt: skip
     if not launch.isolation.sandboxed:
         return LaunchPlan(
             argv=argv, env=env, cwd=launch.run_dir, paths=paths, config=config, code_dir=launch.code_dir
@@ -254,6 +259,8 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
     return LaunchPlan(
         argv=wrap(argv, iso, mounts, launch.python),
         inner_argv=argv,
+        torchrun_argv=torchrun,
+        routes=routes,
         resume=launch.resume_path,
         env=env,
         cwd=launch.run_dir,
@@ -319,21 +326,29 @@ def awaited_routes(launch: NodeLaunch) -> int:
 # Before torchrun, in a multi-node job's node's sandbox: the veth is moved in from outside a
 # moment after the sandbox starts, and the rendezvous and gloo need it, so wait for its routes
 # (job_network.move_in adds them last): a routed node's default route (PEERS 0), a private
-# mesh's host route to each of its PEERS. `python -S -I -c AWAIT_ROUTE SECONDS PEERS -- ARGV...`
-AWAIT_ROUTE = (
-    "import os, sys, time\n"
-    "deadline = time.monotonic() + float(sys.argv[1])\n"
-    "peers = int(sys.argv[2])\n"
-    "def routed():\n"
-    "    with open('/proc/net/route') as fh:\n"
-    "        rows = [line.split() for line in fh.readlines()[1:]]\n"
-    "    if peers == 0:\n"
-    "        return any(row[1] == '00000000' for row in rows)\n"
-    "    return sum(row[7] == 'FFFFFFFF' for row in rows) >= peers\n"
-    "while not routed():\n"
-    "    if time.monotonic() > deadline:\n"
-    "        sys.exit('torchjobs: the node network never came up')\n"
-    "    time.sleep(0.02)\n"
+# mesh's host route to each of its PEERS. ROUTES_UP defines `routes_up(SECONDS, PEERS)`: a cold
+# node runs it first (`python -S -I -c AWAIT_ROUTE SECONDS PEERS -- ARGV...`), a warm agent
+# before it takes the launch (warm_agent.py).
+ROUTES_UP = (
+    "import time\n"
+    "def routes_up(seconds, peers):\n"
+    "    deadline = time.monotonic() + seconds\n"
+    "    def routed():\n"
+    "        with open('/proc/net/route') as fh:\n"
+    "            rows = [line.split() for line in fh.readlines()[1:]]\n"
+    "        if peers == 0:\n"
+    "            return any(row[1] == '00000000' for row in rows)\n"
+    "        return sum(row[7] == 'FFFFFFFF' for row in rows) >= peers\n"
+    "    while not routed():\n"
+    "        if time.monotonic() > deadline:\n"
+    "            return False\n"
+    "        time.sleep(0.02)\n"
+    "    return True\n"
+)
+AWAIT_ROUTE = ROUTES_UP + (
+    "import os, sys\n"
+    "if not routes_up(float(sys.argv[1]), int(sys.argv[2])):\n"
+    "    sys.exit('torchjobs: the node network never came up')\n"
     "os.execv(sys.argv[4], sys.argv[4:])\n"
 )
 

@@ -29,7 +29,7 @@ from service.parent_death import dying_with_parent
 from workers.launcher import lifeline
 from workers.launcher.command import SYSTEM_PATH, LaunchPlan, resume_dir_of
 from workers.launcher.jobfiles import remove_tree
-from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts, wrap, write_identity
+from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts, wrap, write_hosts, write_identity
 from workers.launcher.uids import UidPool
 
 WARM_RANKS_FLAG = "--warm-ranks"  # warm_agent.py's (which imports torch: not imported here)
@@ -81,6 +81,7 @@ class SpareSandboxes:
             read_only=self.read_only,
             private_network=self.private_network,
             identity=dirs.root / "identity" if dirs.owner is not None else None,
+            hosts=dirs.owner is not None and self.private_network,
         )
         agent = [self.python, "-m", "workers.launcher.warm_agent"]
         if self.warm_ranks:  # and room for its forks' command lines (warm_rank.show_command)
@@ -106,6 +107,8 @@ class SpareSandboxes:
         root = self.spares_root / name
         if owner is not None:
             write_identity(root / "identity", *owner)
+            if self.private_network:  # the host's until a multi-node job's node takes it
+                spare_hosts(root / "identity")
         tmp = self.tmp_root / f"torchjobs-spare-{name}"
         dirs = SpareDirs(root=root, run=root / "run", tmp=tmp, resume=root / "resume", owner=owner)
         for folder in (dirs.run, dirs.tmp, dirs.resume):
@@ -138,6 +141,25 @@ class SpareSandboxes:
         os.rename(dirs.resume, resume_dir_of(paths.run_dir))
         remove_tree(dirs.root)
 
+    def name_nodes(self, dirs: SpareDirs, names: tuple[tuple[str, str], ...]) -> bool:
+        """A multi-node job's nodes named in the spare's /etc/hosts (written in place: the
+        sandbox binds the file), before its folders are placed; False where it binds none."""
+        if dirs.owner is None or not self.private_network:
+            return False
+        write_hosts(dirs.root / "identity", names)
+        return True
+
     def discard(self, dirs: SpareDirs) -> None:
         for folder in (dirs.root, dirs.tmp):  # the spare's uid may have shaped them
             remove_tree(folder)
+
+
+def spare_hosts(folder: Path) -> None:
+    """A spare's /etc/hosts: the host's (what a cold single-node job's sandbox binds), in a
+    file of the spare's own that write_hosts can rewrite in place for a mesh node."""
+    try:
+        text = Path("/etc/hosts").read_text()
+    except OSError:
+        text = "127.0.0.1 localhost\n"
+    (folder / "hosts").write_text(text)
+    (folder / "hosts").chmod(0o644)

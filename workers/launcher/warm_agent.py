@@ -104,12 +104,25 @@ def adopt(request: dict[str, Any]) -> list[str]:
     return args
 
 
+def routes_up(seconds: float, peers: int) -> bool:
+    """A node whose veth comes from outside (command.ROUTES_UP, which a cold node runs first)."""
+    from workers.launcher.command import ROUTES_UP
+
+    scope: dict[str, Any] = {}
+    exec(ROUTES_UP, scope)  # one source for both: the cold node's runs as `python -S -I -c`
+    return bool(scope["routes_up"](float(seconds), int(peers)))
+
+
 def main() -> int:
     server = RankServer() if WARM_RANKS_FLAG in sys.argv[1:] else None
     line = sys.stdin.readline()
     if not line.strip():
         return 0
-    args = adopt(json.loads(line))
+    request = json.loads(line)
+    args = adopt(request)
+    if request.get("routes") and not routes_up(*request["routes"]):
+        print("torchjobs: the node network never came up", file=sys.stderr, flush=True)
+        return 1
     if server is not None:
         args = through_warm_ranks(args, server)
     torchrun.main(args)

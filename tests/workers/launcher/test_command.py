@@ -169,17 +169,24 @@ def test_a_routed_multi_node_job_s_node_meets_its_peers_over_its_own_veth() -> N
     assert gate == [node.python, "-S", "-I", "-c", AWAIT_ROUTE, str(node.rendezvous_timeout_s), "0", "--"]
     assert plan.inner_argv[len(gate) : len(gate) + 3] == [node.python, "-m", "torch.distributed.run"]
     assert "--master-addr=10.213.0.22" in plan.inner_argv
+    # a warm spare's agent gets torchrun's own line and waits for the same routes itself
+    assert plan.torchrun_argv == plan.inner_argv[len(gate) :]
+    assert plan.routes == (float(node.rendezvous_timeout_s), 0)
     own = build_launch(dataclasses.replace(node, user_env={"GLOO_SOCKET_IFNAME": "lo"}))
     assert own.env["GLOO_SOCKET_IFNAME"] == "lo"
     # a private mesh's node: no default route to wait for, but one host route per peer
     private = dataclasses.replace(veth, gateway=False, peers=("10.214.0.6", "10.214.0.10"))
     mesh = build_launch(dataclasses.replace(node, veth=private, routed_subnet=None))
     assert "--unshare-net" in mesh.argv and mesh.veth == private
-    assert mesh.inner_argv[mesh.inner_argv.index("--") - 1] == "2"
+    assert mesh.inner_argv[mesh.inner_argv.index("--") - 1] == "2" and mesh.routes == (
+        float(node.rendezvous_timeout_s),
+        2,
+    )
     # without a veth made beforehand (a worker that cannot make one), the host's network
     host = build_launch(dataclasses.replace(node, veth=None))
     assert "--unshare-net" not in host.argv and host.env["GLOO_SOCKET_IFNAME"] == "tj0"
     assert host.inner_argv[:3] == [node.python, "-m", "torch.distributed.run"]
+    assert host.torchrun_argv == host.inner_argv and host.routes is None
 
 
 def test_the_route_gate_waits_for_a_default_route_then_becomes_the_command() -> None:
