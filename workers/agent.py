@@ -164,7 +164,7 @@ def _routed_where_it_can(ctx: WorkerContext) -> bool:
         try:
             _prepare_routed(ctx, "job networks")
             return True
-        except job_network.NetworkUnavailable as exc:  # a kernel without nf_tables, say
+        except job_network.TableRefused as exc:  # a kernel without nf_tables, say: nothing written
             why_not = str(exc)
     log.warning("jobs get no route to the world here (%s): the private network "
                 "(docs/security.md, Network)", why_not)  # fmt: skip
@@ -175,17 +175,15 @@ def _prepare_routed(ctx: WorkerContext, name: str) -> None:
     """The rules and forwarding. What the admin set wrong (the subnet, the pool, the opened
     ranges) stops the worker in any mode; what the host refuses stops it where routed was
     asked for, and is raised to an `auto` worker, which falls back."""
+    settings = ctx.settings
     try:
         ctx.job_subnet = job_subnet(ctx)
-        job_network.check_subnet(ctx.job_subnet)
-        job_network.allowances(ctx.settings.job_network_allow)
-    except (job_network.NetworkUnavailable, hosts.NoSubnet) as exc:
+        job_network.prepare_host(ctx.job_subnet, settings.job_network_allow, settings.job_network_dns)
+    except job_network.TableRefused as exc:
+        if settings.job_network == "auto":
+            raise  # nothing written: the private network instead
         raise SystemExit(f"{name}: {exc}") from exc
-    try:
-        job_network.prepare_host(ctx.job_subnet, ctx.settings.job_network_allow)
-    except job_network.NetworkUnavailable as exc:
-        if ctx.settings.job_network == "auto":
-            raise
+    except (job_network.NetworkUnavailable, hosts.NoSubnet) as exc:  # the admin's, or half written
         raise SystemExit(f"{name}: {exc}") from exc
     ctx.node_meshes = True
     log.info("job nodes get routed networks from %s (nftables: inet torchjobs)", ctx.job_subnet)

@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger("torchjobs.worker")
 
@@ -49,7 +50,7 @@ TABLE = "torchjobs"
 # out (its veth . its address . a peer's), in (its veth . a peer's address . its own)
 PEERS_OUT, PEERS_IN = "peers_out", "peers_in"
 PEER_SET = "type ifname . ipv4_addr . ipv4_addr;"
-CHAINS = ("input", "forward", "postrouting")
+CHAINS = ("input", "forward", "output", "postrouting")
 ROUTE_TABLE_BASE = 1_000_000  # + the veth's index: a node's own routes to its remote peers
 RULE_PREF = 5000
 ALIAS = "torchjobs"  # a reserved veth's alias: "torchjobs PID", the worker that made it
@@ -74,10 +75,19 @@ FLOW_SET = "type ipv4_addr; size 65535; flags dynamic;"
 SUBNETS = "job_subnets"
 SUBNET_SET = "type ipv4_addr; flags interval; auto-merge;"
 ATTACH_WAIT_S = 10.0
+# what a job's packet to a wall gets: an answer at once ("host unreachable"), not silence, so
+# that a job's look-up or connection fails as fast as in a namespace with no route (a dropped
+# DNS query to the host's walled resolver cost each reverse look-up 5-10 s; and see nameservers)
+REFUSE = "reject with icmpx type admin-prohibited"
 
 
 class NetworkUnavailable(Exception):
     """The host cannot give routed job networks (not root, no `nft` or `ip`, no forwarding)."""
+
+
+class TableRefused(NetworkUnavailable):
+    """`nft` is there but the kernel took no table (no nf_tables): nothing was written, so an
+    `auto` worker may fall back to the private network."""
 
 
 def allowances(text: str) -> list[tuple[str, int | None]]:
@@ -98,6 +108,27 @@ def allowances(text: str) -> list[tuple[str, int | None]]:
             raise bad
         out.append((str(network), number))
     return out
+
+
+def nameservers(text: str | None = None) -> list[str]:
+    """The host's IPv4 resolvers (`/etc/resolv.conf`, which a sandbox binds as it is), but
+    those on loopback (the job's loopback is its own): a routed job resolves names through
+    them, as a container does through its host's, where they would otherwise be walled (a
+    private range, the LAN). Only port 53 is opened to them."""
+    if text is None:
+        try:
+            text = Path("/etc/resolv.conf").read_text()
+        except OSError:
+            return []
+    found = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[0] == "nameserver":
+            with contextlib.suppress(ValueError):
+                address = ipaddress.ip_address(fields[1])
+                if address.version == 4 and not address.is_loopback and str(address) not in found:
+                    found.append(str(address))
+    return found
 
 
 def host_subnets() -> list[str]:
@@ -158,7 +189,7 @@ def rules(
             *(f"  set {name} {{ {FLOW_SET} }}" for name in FLOWS),  # open connections per job address
             "  chain input {",
             "    type filter hook input priority -10; policy accept;",
-            f"    {jobs} drop",
+            f"    {jobs} {REFUSE}",
             # nor from elsewhere (another host's job, routed here) to the host's own veth ends
             f'    iifname != "lo" ip daddr @{SUBNETS} drop',
             "  }",
@@ -170,13 +201,20 @@ def rules(
             f'    oifname "{HOST_IF}*" ct state new add @flows_in {{ ip daddr {over} }} drop',
             f"    iifname . ip saddr . ip daddr @{PEERS_OUT} accept",  # a node to its job's others
             f"    oifname . ip saddr . ip daddr @{PEERS_IN} accept",  # and theirs to it
-            f'    {jobs} oifname "{HOST_IF}*" drop',
+            f'    {jobs} oifname "{HOST_IF}*" {REFUSE}',
             *opened,
-            f"    {jobs} ip daddr {{ {walled} }} drop",
+            f"    {jobs} ip daddr {{ {walled} }} {REFUSE}",
+            f"    {jobs} ip daddr @{SUBNETS} {REFUSE}",  # a sibling worker's, wherever it lies
             f"    {jobs} meta nfproto ipv6 drop",
             f"    {jobs} accept",
             f'    oifname "{HOST_IF}*" ct state established,related accept',
             f'    oifname "{HOST_IF}*" drop',
+            "  }",
+            # nor does a process of the host's that is not root (a host-network job, a normal
+            # user's worker's ranks) open a connection into a job: the worker is root
+            "  chain output {",
+            "    type filter hook output priority -10; policy accept;",
+            f'    oifname "{HOST_IF}*" ct state new meta skuid != 0 {REFUSE}',
             "  }",
             "  chain postrouting {",
             "    type nat hook postrouting priority 100; policy accept;",
@@ -196,12 +234,19 @@ def _merged(cidrs: list[str]) -> list[str]:
     return [str(n) for n in ipaddress.collapse_addresses(n for n in networks if n.version == 4)]
 
 
-def prepare_host(subnet: str, allow: str = "") -> None:
-    """At worker start: the table, and IPv4 forwarding on (the host routes its jobs' traffic)."""
+def prepare_host(subnet: str, allow: str = "", dns: bool = True) -> None:
+    """At worker start: the table, and IPv4 forwarding on (the host routes its jobs' traffic).
+    `dns`: the host's resolvers opened on port 53 (nameservers)."""
     if os.geteuid() != 0:
         raise NetworkUnavailable("TORCHJOBS_JOB_NETWORK=routed needs a worker running as root")
     network = check_subnet(subnet)
-    _run(["nft", "-f", "-"], rules(str(network), allowances(allow), host_subnets()))
+    lan = host_subnets()
+    apart(network, lan)
+    opened = allowances(allow) + ([(f"{ns}/32", 53) for ns in nameservers()] if dns else [])
+    try:
+        _run(["nft", "-f", "-"], rules(str(network), opened, lan))
+    except NetworkUnavailable as exc:
+        raise TableRefused(str(exc)) from exc
     for name in sweep_left():
         log.info("removed job veth %s, made by a worker no longer running", name)
     forward_all()
@@ -214,6 +259,14 @@ def routed_unavailable() -> str | None:
         return "a routed job network needs a worker running as root"
     missing = [tool for tool in ("nft", "ip", "nsenter") if shutil.which(tool) is None]
     return f"a routed job network needs {' and '.join(missing)}" if missing else None
+
+
+def apart(network: ipaddress.IPv4Network, lan: list[str] | None = None) -> None:
+    """A job subnet must not overlap a network the host has an address in: the host's walls
+    drop what reaches a job subnet, and its LAN's traffic with it (SSH, PostgreSQL)."""
+    for other in host_subnets() if lan is None else lan:
+        if network.overlaps(ipaddress.ip_network(other)):
+            raise NetworkUnavailable(f"job subnet {network} overlaps {other}, a network of this host's")
 
 
 def private_mesh_unavailable() -> str | None:
@@ -230,7 +283,7 @@ def prepare_private(subnet: str) -> bool:
     a killed worker left of one removed, and where nftables is, the sets (so that looking for
     a killed node's elements never depends on an error's wording) and the host ends' wall.
     Whether its meshes add elements (mesh_elements)."""
-    check_subnet(subnet)
+    apart(check_subnet(subnet))
     elements = mesh_elements()
     if elements:
         _run(["nft", "-f", "-"], MESH_SETS + PRIVATE_WALL)
@@ -462,13 +515,19 @@ def sweep_left(elements: bool = True) -> list[str]:
 def mesh_elements() -> bool:
     """Whether a private mesh adds its elements too: wherever nftables works, a routed worker
     may write the walls (now, or while the mesh runs), which drop what no element lets
-    through. An `nft` the kernel refuses (no nf_tables) walls nothing: no elements needed."""
+    through, and the host ends get their wall (PRIVATE_WALL). An `nft` the kernel refuses
+    (no nf_tables) walls nothing, which is said: the host ends then take a UDP broadcast.
+    An `nft` that does not answer stops the worker (NetworkUnavailable)."""
     if shutil.which("nft") is None:
         return False
     try:
-        done = subprocess.run(["nft", "list", "tables"], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        done = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetworkUnavailable(f"nft list tables: {exc}") from exc
+    if done.returncode != 0:
+        log.warning("nftables is installed but the kernel refuses it (%s): a private mesh's host ends "
+                    "are not walled against a UDP broadcast (docs/security.md, Network)",
+                    done.stderr.strip())  # fmt: skip
     return done.returncode == 0
 
 

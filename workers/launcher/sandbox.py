@@ -242,8 +242,12 @@ def write_hosts(folder: Path, names: Sequence[tuple[str, str]]) -> None:
     the host's resolver (often on a private address, walled from jobs) each waited out its
     timeout (5.0 s a look-up, measured in a routed sandbox)."""
     folder.mkdir(parents=True, exist_ok=True)
-    lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
+    lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback", "::ffff:127.0.0.1 localhost"]
     lines += [f"{address} {name}" for address, name in names]
+    # and each IPv4 address as IPv6 maps it: c10d's sockets are IPv6 ones, and the name of a
+    # peer's "::ffff:10.213.0.6" is looked up as that (not found as 10.213.0.6: glibc then
+    # asks DNS, a 10 s wait for each where the resolver is walled, measured)
+    lines += [f"::ffff:{address} {name}" for address, name in names if ":" not in address]
     (folder / "hosts").write_text("\n".join(lines) + "\n")
     (folder / "hosts").chmod(0o644)
 
