@@ -208,7 +208,9 @@ def job_subnet(ctx: WorkerContext) -> str:
     """The admin's `TORCHJOBS_JOB_SUBNET` for this host, else the one the control plane gives."""
     if ctx.settings.job_subnet:
         return ctx.settings.job_subnet
-    return hosts.subnet_of_host(ctx.db, ctx.address, ctx.settings.job_subnet_pool)
+    return hosts.subnet_of_host(
+        ctx.db, ctx.address, ctx.settings.job_subnet_pool, avoid=job_network.host_subnets()
+    )
 
 
 class Heartbeat(threading.Thread):

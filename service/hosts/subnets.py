@@ -11,6 +11,7 @@ takes its /30s on the host by making the veth: the name is the lock). A host's
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 
 from sqlalchemy.exc import IntegrityError
 
@@ -34,21 +35,31 @@ def blocks(pool: str) -> list[str]:
     return [str(block) for block in network.subnets(new_prefix=BLOCK_PREFIX)]
 
 
-def subnet_of_host(db: Database, address: str, pool: str, tries: int | None = None) -> str:
+def subnet_of_host(
+    db: Database, address: str, pool: str, tries: int | None = None, avoid: Sequence[str] = ()
+) -> str:
     """The host's /24, given now if it has none. Hosts asking at once pick the same first free
     one: each loser's insert fails on the unique subnet and it picks again. Every such failure
     means another host took a block, so a whole pool's worth of tries (a hundred hosts
-    rolled out at once) always ends."""
-    candidates = blocks(pool)
+    rolled out at once) always ends. `avoid`: the host's own networks (its LAN): no block
+    overlapping one is given (the host's traffic to those addresses would go to its jobs)."""
+    avoided = [ipaddress.ip_network(a) for a in avoid]
+    candidates = [b for b in blocks(pool) if not any(ipaddress.ip_network(b).overlaps(a) for a in avoided)]
+    if not candidates:
+        raise NoSubnet(
+            f"every /{BLOCK_PREFIX} of TORCHJOBS_JOB_SUBNET_POOL {pool} overlaps this host's networks "
+            f"({', '.join(avoid)}): give a pool apart from them"
+        )
     tries = len(candidates) + 5 if tries is None else tries
     for _ in range(tries):
         with db.transaction() as session:
             kept = repo.host_subnet(session, address)
             if kept is not None and kept in candidates:
                 return kept
-            if kept is not None:  # the pool changed: this host's old block is outside it
+            if kept is not None:  # the pool changed, or the host's networks: its old block is out
                 raise NoSubnet(
-                    f"host {address} holds job subnet {kept}, outside TORCHJOBS_JOB_SUBNET_POOL {pool}"
+                    f"host {address} holds job subnet {kept}, outside TORCHJOBS_JOB_SUBNET_POOL {pool} "
+                    f"or over this host's networks"
                 )
         try:
             return _take_free(db, address, candidates)

@@ -75,9 +75,12 @@ FLOW_SET = "type ipv4_addr; size 65535; flags dynamic;"
 SUBNETS = "job_subnets"
 SUBNET_SET = "type ipv4_addr; flags interval; auto-merge;"
 ATTACH_WAIT_S = 10.0
-# what a job's packet to a wall gets: an answer at once ("host unreachable"), not silence, so
-# that a job's look-up or connection fails as fast as in a namespace with no route (a dropped
-# DNS query to the host's walled resolver cost each reverse look-up 5-10 s; and see nameservers)
+BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+# what a job's packet to a wall beyond the host gets: an answer at once ("host unreachable",
+# from its own gateway), not silence, so that a job's look-up or connection fails as fast as
+# in a namespace with no route (a dropped DNS query to the host's walled resolver cost each
+# reverse look-up 5-10 s; and see nameservers). The kernel rate-limits these answers (a
+# burst, then about one a second per job address): past that, a packet is dropped.
 REFUSE = "reject with icmpx type admin-prohibited"
 
 
@@ -111,10 +114,10 @@ def allowances(text: str) -> list[tuple[str, int | None]]:
 
 
 def nameservers(text: str | None = None) -> list[str]:
-    """The host's IPv4 resolvers (`/etc/resolv.conf`, which a sandbox binds as it is), but
-    those on loopback (the job's loopback is its own): a routed job resolves names through
-    them, as a container does through its host's, where they would otherwise be walled (a
-    private range, the LAN). Only port 53 is opened to them."""
+    """The host's IPv4 resolvers (`/etc/resolv.conf`, which a sandbox binds as it is, read at
+    worker start), but those on loopback (the job's loopback is its own): a routed job
+    resolves names through them, as a container does through its host's, where they would
+    otherwise be walled (a private range, the LAN). Only plain queries reach them (rules)."""
     if text is None:
         try:
             text = Path("/etc/resolv.conf").read_text()
@@ -126,7 +129,8 @@ def nameservers(text: str | None = None) -> list[str]:
         if len(fields) >= 2 and fields[0] == "nameserver":
             with contextlib.suppress(ValueError):
                 address = ipaddress.ip_address(fields[1])
-                if address.version == 4 and not address.is_loopback and str(address) not in found:
+                odd = address.is_loopback or address.is_unspecified or address.is_multicast
+                if address.version == 4 and not odd and address != BROADCAST and str(address) not in found:
                     found.append(str(address))
     return found
 
@@ -160,9 +164,15 @@ def _ipv4_networks() -> list[tuple[str, ipaddress.IPv4Network]]:
 
 
 def rules(
-    subnet: str, allow: list[tuple[str, int | None]] | None = None, extra_walled: list[str] | None = None
+    subnet: str,
+    allow: list[tuple[str, int | None]] | None = None,
+    extra_walled: list[str] | None = None,
+    resolvers: list[str] | None = None,
 ) -> str:
-    """The whole `inet torchjobs` table, for `nft -f` (one transaction: never half written)."""
+    """The whole `inet torchjobs` table, for `nft -f` (one transaction: never half written).
+    `resolvers`: opened to plain DNS queries only (UDP to port 53, the header's QR and opcode
+    bits 0): no zone transfer (TCP), no dynamic update (opcode 5), which the resolver would
+    take as the host's own (the job's packets are masqueraded)."""
     walled = ", ".join(_merged([*WALLED, subnet, *(extra_walled or [])]))
     jobs = f'iifname "{HOST_IF}*"'
     over = f"ct count over {FLOWS_MAX}"
@@ -172,6 +182,7 @@ def rules(
         else f"    {jobs} ip daddr {cidr} meta l4proto {{ tcp, udp }} th dport {port} accept"
         for cidr, port in allow or []
     ]
+    opened += [f"    {jobs} ip daddr {ns} udp dport 53 @th,80,5 0 accept" for ns in resolvers or []]
     return "\n".join(
         [
             # the chains and the `flows` sets rewritten whole in one transaction; the mesh sets
@@ -189,7 +200,9 @@ def rules(
             *(f"  set {name} {{ {FLOW_SET} }}" for name in FLOWS),  # open connections per job address
             "  chain input {",
             "    type filter hook input priority -10; policy accept;",
-            f"    {jobs} {REFUSE}",
+            # silent: a refusal here would come from the very address a job probed, telling it
+            # which addresses are the host's (its LAN's, other jobs' veth ends)
+            f"    {jobs} drop",
             # nor from elsewhere (another host's job, routed here) to the host's own veth ends
             f'    iifname != "lo" ip daddr @{SUBNETS} drop',
             "  }",
@@ -242,14 +255,19 @@ def prepare_host(subnet: str, allow: str = "", dns: bool = True) -> None:
     network = check_subnet(subnet)
     lan = host_subnets()
     apart(network, lan)
-    opened = allowances(allow) + ([(f"{ns}/32", 53) for ns in nameservers()] if dns else [])
+    opened = allowances(allow)
+    if not os.access("/proc/sys/net/ipv4/ip_forward", os.W_OK):  # a read-only /proc/sys
+        raise TableRefused("IPv4 forwarding cannot be turned on here (/proc/sys is read-only)")
     try:
-        _run(["nft", "-f", "-"], rules(str(network), opened, lan))
+        _run(["nft", "-f", "-"], rules(str(network), opened, lan, nameservers() if dns else []))
     except NetworkUnavailable as exc:
         raise TableRefused(str(exc)) from exc
-    for name in sweep_left():
-        log.info("removed job veth %s, made by a worker no longer running", name)
-    forward_all()
+    try:  # the table is written: from here a failure stops the worker, cleanly
+        for name in sweep_left():
+            log.info("removed job veth %s, made by a worker no longer running", name)
+        forward_all()
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        raise NetworkUnavailable(f"after the table was written: {exc}") from exc
 
 
 def routed_unavailable() -> str | None:

@@ -67,3 +67,15 @@ def test_a_bad_or_full_pool_is_said(db: Database) -> None:
         subnet_of_host(db, "192.0.2.3", small)
     with pytest.raises(NoSubnet, match="outside TORCHJOBS_JOB_SUBNET_POOL"):
         subnet_of_host(db, "192.0.2.1", POOL)  # the pool changed under a host that holds one
+
+
+def test_no_block_over_the_host_s_own_networks_is_given(db: Database) -> None:
+    """A block over the host's LAN would send the host's own traffic to those addresses into
+    its jobs: the first free block apart from them is given, or none, said."""
+    lan = ["10.213.0.0/23", "192.0.2.0/24"]
+    assert subnet_of_host(db, "192.0.2.1", POOL, avoid=lan) == "10.213.2.0/24"
+    assert subnet_of_host(db, "192.0.2.2", POOL) == "10.213.0.0/24"  # another host's LAN differs
+    with pytest.raises(NoSubnet, match="overlaps this host's networks"):
+        subnet_of_host(db, "192.0.2.3", POOL, avoid=["10.0.0.0/8"])  # a flat 10/8 LAN: set a pool
+    with pytest.raises(NoSubnet, match="over this host's networks"):  # its LAN grew over its block
+        subnet_of_host(db, "192.0.2.2", POOL, avoid=["10.213.0.0/22"])
