@@ -89,6 +89,16 @@ def register(ctx: WorkerContext) -> None:
         )
 
 
+def record_admin_subnet(ctx: WorkerContext) -> None:
+    """An admin's `TORCHJOBS_JOB_SUBNET` this worker hands out, recorded by the control plane
+    so that the pool gives no other host a block over it; an overlap with another host's is
+    said (their meshes with each other will be refused)."""
+    if ctx.settings.job_subnet and ctx.job_subnet == ctx.settings.job_subnet:
+        clash = hosts.claim_subnet(ctx.db, ctx.address, ctx.job_subnet)
+        if clash is not None:
+            log.warning("%s: multi-node jobs between the two hosts will be refused", clash)
+
+
 def start_exec_endpoint(ctx: WorkerContext) -> exec_endpoint.Endpoint | None:
     """Contract §14: the endpoint the API reaches this worker's running ranks through, and
     its address and secret on this worker's row (workers/exec_endpoint.py says why)."""
@@ -290,6 +300,7 @@ def run_worker(
     )
     context.set_current(ctx)
     register(ctx)
+    record_admin_subnet(ctx)
     endpoint = start_exec_endpoint(ctx)
     beat = Heartbeat(ctx)
     beat.start()

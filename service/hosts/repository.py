@@ -214,6 +214,20 @@ def taken_subnets(session: Session) -> set[str]:
     return set(session.execute(select(HostSubnet.subnet)).scalars())
 
 
+def host_subnets(session: Session) -> list[tuple[str, str]]:
+    return [(a, s) for a, s in session.execute(select(HostSubnet.address, HostSubnet.subnet))]
+
+
+def set_host_subnet(session: Session, address: str, subnet: str) -> None:
+    """The host's job subnet, in place of whatever it held (flushed: a clash raises here)."""
+    kept = session.get(HostSubnet, address)
+    if kept is None:
+        session.add(HostSubnet(address=address, subnet=subnet))
+    else:
+        kept.subnet = subnet
+    session.flush()
+
+
 def add_host_subnet(session: Session, address: str, subnet: str) -> None:
     """Flushed at once: a unique clash (another host took it meanwhile) raises here."""
     session.add(HostSubnet(address=address, subnet=subnet))

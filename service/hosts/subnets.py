@@ -5,7 +5,8 @@ Why here: a multi-node job's nodes route to each other's job addresses across ho
 (workers/node_mesh.py), so no two hosts may hand out the same one, and the hosts know each
 other only through the database. Workers on one host share its address and so its /24 (each
 takes its /30s on the host by making the veth: the name is the lock). A host's
-`TORCHJOBS_JOB_SUBNET`, where the admin sets one, is used instead and nothing is given.
+`TORCHJOBS_JOB_SUBNET`, where the admin sets one, is used instead and recorded
+(`claim_subnet`), and no block over it is given to another host.
 """
 
 from __future__ import annotations
@@ -68,10 +69,36 @@ def subnet_of_host(
     raise NoSubnet(f"no job subnet could be given to host {address} in {tries} tries")
 
 
+def claim_subnet(db: Database, address: str, subnet: str) -> str | None:
+    """An admin's `TORCHJOBS_JOB_SUBNET` for this host, recorded in place of whatever it held,
+    so that the pool gives no other host a block over it. Where another host already holds
+    one that overlaps it, nothing is recorded and what is wrong is returned, for the worker to
+    say (the two hosts' meshes with each other will be refused: workers/node_mesh.py)."""
+    network = ipaddress.ip_network(subnet)
+    for _ in range(5):
+        try:
+            with db.transaction() as session:
+                for other, held in repo.host_subnets(session):
+                    if other != address and network.overlaps(ipaddress.ip_network(held)):
+                        return f"TORCHJOBS_JOB_SUBNET {subnet} overlaps host {other}'s job subnet {held}"
+                repo.set_host_subnet(session, address, str(network))
+            return None
+        except IntegrityError:  # another host took an overlapping block meanwhile: look again
+            continue
+    return f"TORCHJOBS_JOB_SUBNET {subnet} could not be recorded"
+
+
 def _take_free(db: Database, address: str, candidates: list[str]) -> str:
     with db.transaction() as session:
-        taken = repo.taken_subnets(session)
-        free = next((block for block in candidates if block not in taken), None)
+        taken = [ipaddress.ip_network(s) for s in repo.taken_subnets(session)]
+        free = next(
+            (
+                block
+                for block in candidates
+                if not any(ipaddress.ip_network(block).overlaps(t) for t in taken)
+            ),
+            None,
+        )
         if free is None:
             raise NoSubnet(f"every /{BLOCK_PREFIX} of the job subnet pool is taken ({len(taken)} hosts)")
         repo.add_host_subnet(session, address, free)

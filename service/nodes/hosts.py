@@ -5,6 +5,6 @@ job subnet (`service.hosts.subnets`)."""
 from __future__ import annotations
 
 from service.hosts.states import heartbeat, mark_offline, upsert_worker
-from service.hosts.subnets import NoSubnet, subnet_of_host
+from service.hosts.subnets import NoSubnet, claim_subnet, subnet_of_host
 
-__all__ = ["NoSubnet", "heartbeat", "mark_offline", "subnet_of_host", "upsert_worker"]
+__all__ = ["NoSubnet", "claim_subnet", "heartbeat", "mark_offline", "subnet_of_host", "upsert_worker"]

@@ -12,7 +12,7 @@ import pytest
 
 from service.config import Settings
 from service.db import Database
-from service.hosts.subnets import NoSubnet, blocks, subnet_of_host
+from service.hosts.subnets import NoSubnet, blocks, claim_subnet, subnet_of_host
 from service.migrate import upgrade
 
 POOL = "10.213.0.0/16"
@@ -79,3 +79,16 @@ def test_no_block_over_the_host_s_own_networks_is_given(db: Database) -> None:
         subnet_of_host(db, "192.0.2.3", POOL, avoid=["10.0.0.0/8"])  # a flat 10/8 LAN: set a pool
     with pytest.raises(NoSubnet, match="over this host's networks"):  # its LAN grew over its block
         subnet_of_host(db, "192.0.2.2", POOL, avoid=["10.213.0.0/22"])
+
+
+def test_an_admin_s_subnet_is_recorded_and_no_block_over_it_is_given(db: Database) -> None:
+    """A host whose admin set TORCHJOBS_JOB_SUBNET: recorded in place of its pool block, the
+    pool then gives no other host a block over it; another admin's overlapping one is said
+    and not recorded (their meshes with each other would be refused)."""
+    assert subnet_of_host(db, "192.0.2.1", POOL) == "10.213.0.0/24"
+    assert claim_subnet(db, "192.0.2.1", "10.213.0.0/23") is None  # its admin's, over its block
+    assert claim_subnet(db, "192.0.2.1", "10.213.0.0/23") is None  # again: a restart
+    assert subnet_of_host(db, "192.0.2.2", POOL) == "10.213.2.0/24"  # not 10.213.1.0/24
+    clash = claim_subnet(db, "192.0.2.3", "10.213.2.128/25")
+    assert clash == "TORCHJOBS_JOB_SUBNET 10.213.2.128/25 overlaps host 192.0.2.2's job subnet 10.213.2.0/24"
+    assert subnet_of_host(db, "192.0.2.3", POOL) == "10.213.3.0/24"  # nothing was recorded for it
