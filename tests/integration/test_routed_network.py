@@ -87,17 +87,21 @@ while True:
 """
 
 
-@pytest.mark.parametrize("network", ["routed", "private"])
+ROUTED_HOSTS = {"routed": ("hosta", "hostb"), "private": (), "mixed": ("hosta",)}
+
+
+@pytest.mark.parametrize("network", list(ROUTED_HOSTS))
 def test_a_two_host_job_meets_over_its_own_addresses_and_reaches_no_host(two_hosts, network: str) -> None:
     """Two hosts (network namespaces): routed, each worker with a job subnet its admin gave it;
-    private, each with the /24 the control plane gave its address. The job's two
-    nodes meet at node 0's own address and all-reduce; neither reaches a service on either host
-    (a listener on host a, host b's address, PostgreSQL through the LAN gateway)."""
+    private, each with the /24 the control plane gave its address; mixed, one of each (what
+    `auto` gives a cluster whose hosts differ in having nftables). The job's two nodes meet at
+    node 0's own address and all-reduce; neither reaches a service on either host (a listener
+    on host a, host b's address, PostgreSQL through the LAN gateway)."""
     stack, net, env = two_hosts
     addresses = {}
     for index, name in enumerate(("hosta", "hostb")):
         addresses[name] = net.add_host(name)
-        if network == "routed":
+        if name in ROUTED_HOSTS[network]:
             extra = {**env, "TORCHJOBS_JOB_NETWORK": "routed", "TORCHJOBS_JOB_SUBNET": f"10.240.{index}.0/24"}
         else:
             extra = {**env, "TORCHJOBS_JOB_NETWORK": "private"}
@@ -125,8 +129,12 @@ def test_a_two_host_job_meets_over_its_own_addresses_and_reaches_no_host(two_hos
         listener.wait()
     assert seen[0]["sum"] == seen[1]["sum"] == 3.0, seen
     node0_host = next(a["worker"] for a in done["assignments"] if a["node_rank"] == 0)
-    prefix = "10.240." if network == "routed" else env["TORCHJOBS_JOB_SUBNET_POOL"].removesuffix("0.0/16")
-    assert seen[0]["master"].startswith(prefix + ("0." if node0_host == "hosta" else "1.")), seen
+    if node0_host in ROUTED_HOSTS[network]:  # its admin's subnet
+        prefix = f"10.240.{('hosta', 'hostb').index(node0_host)}."
+    else:  # the pool's blocks, given in the order the pooled hosts' workers started
+        pooled = [h for h in ("hosta", "hostb") if h not in ROUTED_HOSTS[network]]
+        prefix = env["TORCHJOBS_JOB_SUBNET_POOL"].removesuffix("0.0/16") + f"{pooled.index(node0_host)}."
+    assert seen[0]["master"].startswith(prefix), seen
     assert seen[1]["peer"] == "peer", seen  # its own other node, at that node's own address
     for node in (0, 1):
         for target in walled:
