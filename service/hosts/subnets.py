@@ -12,7 +12,7 @@ takes its /30s on the host by making the veth: the name is the lock). A host's
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from sqlalchemy.exc import IntegrityError
 
@@ -44,8 +44,7 @@ def subnet_of_host(
     means another host took a block, so a whole pool's worth of tries (a hundred hosts
     rolled out at once) always ends. `avoid`: the host's own networks (its LAN): no block
     overlapping one is given (the host's traffic to those addresses would go to its jobs)."""
-    avoided = [ipaddress.ip_network(a) for a in avoid]
-    candidates = [b for b in blocks(pool) if not any(ipaddress.ip_network(b).overlaps(a) for a in avoided)]
+    candidates = [b for b in blocks(pool) if _clear_of(b, avoid)]
     if not candidates:
         raise NoSubnet(
             f"every /{BLOCK_PREFIX} of TORCHJOBS_JOB_SUBNET_POOL {pool} overlaps this host's networks "
@@ -69,6 +68,12 @@ def subnet_of_host(
     raise NoSubnet(f"no job subnet could be given to host {address} in {tries} tries")
 
 
+def _clear_of(subnet: str, others: Iterable[str]) -> bool:
+    """Whether `subnet` overlaps none of `others` (networks, as strings)."""
+    network = ipaddress.ip_network(subnet)
+    return not any(network.overlaps(ipaddress.ip_network(other)) for other in others)
+
+
 def claim_subnet(db: Database, address: str, subnet: str) -> str | None:
     """An admin's `TORCHJOBS_JOB_SUBNET` for this host, recorded in place of whatever it held,
     so that the pool gives no other host a block over it. Where another host already holds
@@ -90,15 +95,8 @@ def claim_subnet(db: Database, address: str, subnet: str) -> str | None:
 
 def _take_free(db: Database, address: str, candidates: list[str]) -> str:
     with db.transaction() as session:
-        taken = [ipaddress.ip_network(s) for s in repo.taken_subnets(session)]
-        free = next(
-            (
-                block
-                for block in candidates
-                if not any(ipaddress.ip_network(block).overlaps(t) for t in taken)
-            ),
-            None,
-        )
+        taken = repo.taken_subnets(session)
+        free = next((block for block in candidates if _clear_of(block, taken)), None)
         if free is None:
             raise NoSubnet(f"every /{BLOCK_PREFIX} of the job subnet pool is taken ({len(taken)} hosts)")
         repo.add_host_subnet(session, address, free)

@@ -249,7 +249,7 @@ def _merged(cidrs: list[str]) -> list[str]:
 
 def prepare_host(subnet: str, allow: str = "", dns: bool = True) -> None:
     """At worker start: the table, and IPv4 forwarding on (the host routes its jobs' traffic).
-    `dns`: the host's resolvers opened on port 53 (nameservers)."""
+    `dns`: the host's resolvers opened to plain queries (nameservers, rules)."""
     if os.geteuid() != 0:
         raise NetworkUnavailable("TORCHJOBS_JOB_NETWORK=routed needs a worker running as root")
     network = check_subnet(subnet)
@@ -271,12 +271,17 @@ def prepare_host(subnet: str, allow: str = "", dns: bool = True) -> None:
 
 
 def routed_unavailable() -> str | None:
-    """Why this worker cannot give routed networks before it tries (not root, no `nft` or
-    `ip`), or None."""
+    """Why this worker cannot give routed networks before it tries (not root, no `nft`, `ip`
+    or `nsenter`), or None."""
+    return _unavailable("a routed job network", ("nft", "ip", "nsenter"))
+
+
+def _unavailable(what: str, tools: tuple[str, ...]) -> str | None:
+    """Why `what` cannot be given here: the worker is not root, or a tool is missing."""
     if os.geteuid() != 0:
-        return "a routed job network needs a worker running as root"
-    missing = [tool for tool in ("nft", "ip", "nsenter") if shutil.which(tool) is None]
-    return f"a routed job network needs {' and '.join(missing)}" if missing else None
+        return f"{what} needs a worker running as root"
+    missing = [tool for tool in tools if shutil.which(tool) is None]
+    return f"{what} needs {' and '.join(missing)}" if missing else None
 
 
 def apart(network: ipaddress.IPv4Network, lan: list[str] | None = None) -> None:
@@ -290,10 +295,7 @@ def apart(network: ipaddress.IPv4Network, lan: list[str] | None = None) -> None:
 def private_mesh_unavailable() -> str | None:
     """Why this worker cannot give multi-node jobs meshes (not root, or no `ip`/`nsenter`):
     then they keep the host's network. None: it can, and must (a failure after is fatal)."""
-    if os.geteuid() != 0:
-        return "a multi-node job's own network needs a worker running as root"
-    missing = [tool for tool in ("ip", "nsenter") if shutil.which(tool) is None]
-    return f"a multi-node job's own network needs {' and '.join(missing)}" if missing else None
+    return _unavailable("a multi-node job's own network", ("ip", "nsenter"))
 
 
 def prepare_private(subnet: str) -> bool:

@@ -81,7 +81,7 @@ class SpareSandboxes:
             read_only=self.read_only,
             private_network=self.private_network,
             identity=dirs.root / "identity" if dirs.owner is not None else None,
-            hosts=dirs.owner is not None and self.private_network,
+            hosts=self._own_hosts(dirs.owner),
         )
         agent = [self.python, "-m", "workers.launcher.warm_agent"]
         if self.warm_ranks:  # and room for its forks' command lines (warm_rank.show_command)
@@ -107,8 +107,8 @@ class SpareSandboxes:
         root = self.spares_root / name
         if owner is not None:
             write_identity(root / "identity", *owner)
-            if self.private_network:  # the host's until a multi-node job's node takes it
-                spare_hosts(root / "identity")
+        if self._own_hosts(owner):  # the host's until a multi-node job's node takes it
+            spare_hosts(root / "identity")
         tmp = self.tmp_root / f"torchjobs-spare-{name}"
         dirs = SpareDirs(root=root, run=root / "run", tmp=tmp, resume=root / "resume", owner=owner)
         for folder in (dirs.run, dirs.tmp, dirs.resume):
@@ -144,10 +144,15 @@ class SpareSandboxes:
     def name_nodes(self, dirs: SpareDirs, names: tuple[tuple[str, str], ...]) -> bool:
         """A multi-node job's nodes named in the spare's /etc/hosts (written in place: the
         sandbox binds the file), before its folders are placed; False where it binds none."""
-        if dirs.owner is None or not self.private_network:
+        if not self._own_hosts(dirs.owner):
             return False
         write_hosts(dirs.root / "identity", names)
         return True
+
+    def _own_hosts(self, owner: tuple[int, int] | None) -> bool:
+        """Whether a spare binds an /etc/hosts of its own (beside its identity, which a root
+        worker's spare has): one in a network of its own, which a mesh node may take."""
+        return owner is not None and self.private_network
 
     def discard(self, dirs: SpareDirs) -> None:
         for folder in (dirs.root, dirs.tmp):  # the spare's uid may have shaped them
