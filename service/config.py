@@ -80,7 +80,7 @@ class Settings(BaseSettings):
     job_subnet: str | None = None
     job_subnet_pool: str = "10.213.0.0/16"
     job_network_allow: str = ""  # "routed": CIDR or CIDR:PORT, comma-separated, opened in the walled ranges
-    job_network_dns: bool = True  # "routed": the host's resolvers (resolv.conf), plain queries
+    job_network_dns: bool = True  # "routed": names resolved through the worker's relay (dns_relay.py)
     # a root worker's job nodes each run as a uid of their own from this range (never reused
     # while a process of it lives; workers/launcher/uids.py); "off": all as sandbox_user
     job_uids: str = "2000000000-2099999999"

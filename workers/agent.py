@@ -32,7 +32,7 @@ from workers.celery_app import make_celery
 from workers.code_cache import sweep_staging
 from workers.context import WorkerContext
 from workers.environments import envs_root, prepare_envs_root, remove_unsalted
-from workers.launcher import cgroups, devices, job_network, sandbox, uids
+from workers.launcher import cgroups, devices, dns_relay, job_network, sandbox, uids
 from workers.launcher.command import NodePaths, code_folders, passthrough
 from workers.launcher.jobfiles import remove_tree
 from workers.launcher.procs import kill_under
@@ -119,6 +119,7 @@ def spare_sandboxes(ctx: WorkerContext) -> SpareSandboxes:
         tmp_root=Path(tempfile.gettempdir()),
         python=sys.executable,
         private_network=ctx.job_network in ("private", "routed"),
+        resolv_conf=ctx.dns_conf,
         uids=ctx.uids,
         warm_ranks=ctx.settings.warm_ranks,
     )
@@ -188,7 +189,7 @@ def _prepare_routed(ctx: WorkerContext, name: str) -> None:
     settings = ctx.settings
     try:
         ctx.job_subnet = job_subnet(ctx)
-        job_network.prepare_host(ctx.job_subnet, settings.job_network_allow, settings.job_network_dns)
+        job_network.prepare_host(ctx.job_subnet, settings.job_network_allow)
     except job_network.TableRefused as exc:
         if settings.job_network == "auto":
             raise  # nothing written: the private network instead
@@ -197,6 +198,18 @@ def _prepare_routed(ctx: WorkerContext, name: str) -> None:
         raise SystemExit(f"{name}: {exc}") from exc
     ctx.node_meshes = True
     log.info("job nodes get routed networks from %s (nftables: inet torchjobs)", ctx.job_subnet)
+    if settings.job_network_dns:
+        start_dns_relay(ctx)
+
+
+def start_dns_relay(ctx: WorkerContext) -> None:
+    """Routed nodes resolve names through the worker (dns_relay.py): the host's resolvers are
+    walled from jobs like any other service, and one on the host's loopback is out of reach."""
+    servers = dns_relay.upstreams()
+    ctx.dns_conf = dns_relay.relay_conf(ctx.run_root / ".dns")
+    ctx.dns_relay = dns_relay.DnsRelay(servers)
+    ctx.dns_relay.start()
+    log.info("job nodes' look-ups relayed to %s", ", ".join(servers))
 
 
 def _prepare_private(ctx: WorkerContext) -> None:
@@ -337,17 +350,23 @@ def run_worker(
             ],
         )
     finally:
-        ctx.shutdown.set()
-        beat.stopped.set()
-        if endpoint is not None:
-            endpoint.stop()
-        if ctx.agents is not None:
-            ctx.agents.close()
-        with db.transaction() as session:
-            hosts.mark_offline(session, name, ctx.session_id)
-        db.dispose()
+        _stop_worker(ctx, beat, endpoint)
     if code:
         raise SystemExit(code)
+
+
+def _stop_worker(ctx: WorkerContext, beat: Heartbeat, endpoint: exec_endpoint.Endpoint | None) -> None:
+    ctx.shutdown.set()
+    beat.stopped.set()
+    if endpoint is not None:
+        endpoint.stop()
+    if ctx.agents is not None:
+        ctx.agents.close()
+    if ctx.dns_relay is not None:
+        ctx.dns_relay.stop()
+    with ctx.db.transaction() as session:
+        hosts.mark_offline(session, ctx.name, ctx.session_id)
+    ctx.db.dispose()
 
 
 def _run_celery_worker(app: Celery, argv: list[str]) -> int:

@@ -12,6 +12,7 @@ from service.storage import Storage
 from workers.launcher.agents import WarmAgentPool
 from workers.launcher.cgroups import Hierarchy
 from workers.launcher.devices import Gpu
+from workers.launcher.dns_relay import DnsRelay
 from workers.launcher.sandbox import UNISOLATED, Isolation
 from workers.launcher.uids import UidPool
 
@@ -42,6 +43,10 @@ class WorkerContext:
     job_subnet: str | None = None
     node_meshes: bool = False
     mesh_elements: bool = False  # a private mesh's nftables elements too (job_network.mesh_elements)
+    # a routed worker's look-ups for its nodes (TORCHJOBS_JOB_NETWORK_DNS): the relay, and the
+    # resolv.conf its sandboxes bind that names it
+    dns_relay: DnsRelay | None = None
+    dns_conf: Path | None = None
 
     @property
     def run_root(self) -> Path:

@@ -77,6 +77,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
             group=_node_group(ctx, key, len(launch.gpus)),
             disk_max_bytes=ctx.settings.job_disk_max_mb * 1024 * 1024 * len(launch.gpus),
             resume_copy=(Path(resume[0]), resume[1]) if resume else None,
+            dns=ctx.dns_relay,
         )
         with exec_endpoint.NODES.running(supervisor):  # exec and forward find it (contract §14)
             outcome = supervisor.run()
@@ -204,6 +205,7 @@ def _launch(
         worker_slots=ctx.gpus,
         private_network=ctx.job_network in ("private", "routed"),
         routed_subnet=ctx.job_subnet if ctx.job_network == "routed" else None,
+        resolv_conf=ctx.dns_conf,
     )
 
 

@@ -51,6 +51,9 @@ def test_a_job_reaches_the_world_but_no_host_service(stack: Stack, pg_url: str) 
     seen = probe(stack, world_target, f"127.0.0.1:{pg_port}", *walled)
     assert seen[world_target] == "world", seen
     assert seen[f"127.0.0.1:{pg_port}"] == "ConnectionRefusedError", seen  # its own loopback
+    # its look-ups go to the worker's relay on its own loopback, which holds the port and
+    # passes plain queries only (workers/launcher/dns_relay.py)
+    assert (seen["resolver"], seen["not_a_query"]) == ("127.0.0.11", "TimeoutError"), seen
     for target in walled:
         assert seen[target] in ("TimeoutError", "OSError"), (target, seen)
 

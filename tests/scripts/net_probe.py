@@ -2,7 +2,9 @@
 
 `python net_probe.py WORLD:PORT [HOST:PORT ...]`: the first is retried for a while (a routed
 network is plumbed a moment after the ranks start); `GATEWAY:PORT` probes the job's own
-gateway (the host's end of its veth)."""
+gateway (the host's end of its veth). Also said: the resolver its resolv.conf names, and what a
+datagram that is no DNS query gets there ("TimeoutError": something holds the port and drops
+it, as the worker's relay does; "ConnectionRefusedError": nothing listens)."""
 
 import json
 import socket
@@ -38,4 +40,25 @@ for target in rest:
     host, port = target.rsplit(":", 1)
     host = gateway() or "no-gateway" if host == "GATEWAY" else host
     seen[target] = reach(host, int(port)) if host != "no-gateway" else "no route"
+
+
+def resolver() -> str:
+    with open("/etc/resolv.conf") as fh:
+        return " ".join(line.split()[1] for line in fh if line.startswith("nameserver"))
+
+
+def not_a_query(address: str) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect((address, 53))
+            sock.send(b"\x00\x01\x80\x00" + bytes(8))  # QR 1: an answer, never passed on
+            sock.recv(512)
+            return "answered"
+        except OSError as exc:
+            return type(exc).__name__
+
+
+seen["resolver"] = resolver()
+seen["not_a_query"] = not_a_query(seen["resolver"].split()[0]) if seen["resolver"] else "none"
 print("PROBE " + json.dumps(seen), flush=True)

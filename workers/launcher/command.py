@@ -70,6 +70,7 @@ class NodeLaunch:
     worker_slots: int = 0
     private_network: bool = False  # (sandboxed, single-node) a network namespace of its own
     routed_subnet: str | None = None  # ...with a routed veth from this subnet (job_network.py)
+    resolv_conf: Path | None = None  # ...whose look-ups go to the worker's relay (dns_relay.py)
     # a multi-node job's node in its own network: its veth, made before the launch (node_mesh.py),
     # and its nodes' addresses with a name each, for the sandbox's /etc/hosts
     veth: Attached | None = None
@@ -254,6 +255,7 @@ def build_launch(launch: NodeLaunch) -> LaunchPlan:
         private_network=in_own_network(launch),
         identity=identity_dir_of(launch.run_dir) if launch.isolation.uid is not None else None,
         hosts=bool(launch.mesh_hosts) and launch.isolation.uid is not None,
+        resolv_conf=launch.resolv_conf if in_own_network(launch) else None,
     )
     iso = launch.isolation
     return LaunchPlan(

@@ -40,7 +40,6 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 log = logging.getLogger("torchjobs.worker")
 
@@ -79,7 +78,7 @@ BROADCAST = ipaddress.IPv4Address("255.255.255.255")
 # what a job's packet to a wall beyond the host gets: an answer at once ("host unreachable",
 # from its own gateway), not silence, so that a job's look-up or connection fails as fast as
 # in a namespace with no route (a dropped DNS query to the host's walled resolver cost each
-# reverse look-up 5-10 s; and see nameservers). The kernel rate-limits these answers (a
+# reverse look-up 5-10 s; see dns_relay.py). The kernel rate-limits these answers (a
 # burst, then about one a second per job address): past that, a packet is dropped.
 REFUSE = "reject with icmpx type admin-prohibited"
 
@@ -111,28 +110,6 @@ def allowances(text: str) -> list[tuple[str, int | None]]:
             raise bad
         out.append((str(network), number))
     return out
-
-
-def nameservers(text: str | None = None) -> list[str]:
-    """The host's IPv4 resolvers (`/etc/resolv.conf`, which a sandbox binds as it is, read at
-    worker start), but those on loopback (the job's loopback is its own): a routed job
-    resolves names through them, as a container does through its host's, where they would
-    otherwise be walled (a private range, the LAN). Only plain queries reach them (rules)."""
-    if text is None:
-        try:
-            text = Path("/etc/resolv.conf").read_text()
-        except OSError:
-            return []
-    found = []
-    for line in text.splitlines():
-        fields = line.split()
-        if len(fields) >= 2 and fields[0] == "nameserver":
-            with contextlib.suppress(ValueError):
-                address = ipaddress.ip_address(fields[1])
-                odd = address.is_loopback or address.is_unspecified or address.is_multicast
-                if address.version == 4 and not odd and address != BROADCAST and str(address) not in found:
-                    found.append(str(address))
-    return found
 
 
 def host_subnets() -> list[str]:
@@ -167,12 +144,9 @@ def rules(
     subnet: str,
     allow: list[tuple[str, int | None]] | None = None,
     extra_walled: list[str] | None = None,
-    resolvers: list[str] | None = None,
 ) -> str:
     """The whole `inet torchjobs` table, for `nft -f` (one transaction: never half written).
-    `resolvers`: opened to plain DNS queries only (UDP to port 53, the header's QR and opcode
-    bits 0): no zone transfer (TCP), no dynamic update (opcode 5), which the resolver would
-    take as the host's own (the job's packets are masqueraded)."""
+    No resolver is opened: a routed node's look-ups go through the worker (dns_relay.py)."""
     walled = ", ".join(_merged([*WALLED, subnet, *(extra_walled or [])]))
     jobs = f'iifname "{HOST_IF}*"'
     over = f"ct count over {FLOWS_MAX}"
@@ -182,7 +156,6 @@ def rules(
         else f"    {jobs} ip daddr {cidr} meta l4proto {{ tcp, udp }} th dport {port} accept"
         for cidr, port in allow or []
     ]
-    opened += [f"    {jobs} ip daddr {ns} udp dport 53 @th,80,5 0 accept" for ns in resolvers or []]
     return "\n".join(
         [
             # the chains and the `flows` sets rewritten whole in one transaction; the mesh sets
@@ -247,9 +220,8 @@ def _merged(cidrs: list[str]) -> list[str]:
     return [str(n) for n in ipaddress.collapse_addresses(n for n in networks if n.version == 4)]
 
 
-def prepare_host(subnet: str, allow: str = "", dns: bool = True) -> None:
-    """At worker start: the table, and IPv4 forwarding on (the host routes its jobs' traffic).
-    `dns`: the host's resolvers opened to plain queries (nameservers, rules)."""
+def prepare_host(subnet: str, allow: str = "") -> None:
+    """At worker start: the table, and IPv4 forwarding on (the host routes its jobs' traffic)."""
     if os.geteuid() != 0:
         raise NetworkUnavailable("TORCHJOBS_JOB_NETWORK=routed needs a worker running as root")
     network = check_subnet(subnet)
@@ -259,7 +231,7 @@ def prepare_host(subnet: str, allow: str = "", dns: bool = True) -> None:
     if not os.access("/proc/sys/net/ipv4/ip_forward", os.W_OK):  # a read-only /proc/sys
         raise TableRefused("IPv4 forwarding cannot be turned on here (/proc/sys is read-only)")
     try:
-        _run(["nft", "-f", "-"], rules(str(network), opened, lan, nameservers() if dns else []))
+        _run(["nft", "-f", "-"], rules(str(network), opened, lan))
     except NetworkUnavailable as exc:
         raise TableRefused(str(exc)) from exc
     try:  # the table is written: from here a failure stops the worker, cleanly
@@ -448,7 +420,7 @@ def move_in(outer_pid: int, veth: Attached) -> None:
     """The veth's inner end into the sandbox's namespace, as `eth0`, its routes added last
     (command.AWAIT_ROUTE waits for them)."""
     try:
-        inner = _sandbox_child(outer_pid)
+        inner = sandbox_child(outer_pid)
         _run(["ip", "link", "set", veth.peer_if, "netns", str(inner)])
         if veth.job_mac:  # sealed: the host never asks who holds the job's address (the
             # answer would teach the job the host end's address and MAC), so before it is up
@@ -592,7 +564,7 @@ def _elements(listing: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def _sandbox_child(outer_pid: int) -> int:
+def sandbox_child(outer_pid: int) -> int:
     """The sandbox's first process (bwrap's child, in its own network namespace)."""
     mine = _netns("self")
     deadline = time.monotonic() + ATTACH_WAIT_S

@@ -164,6 +164,7 @@ class Mounts:
     private_network: bool = False  # a network namespace of its own: loopback only
     identity: Path | None = None  # a folder with the `passwd` and `group` that name the node's uid
     hosts: bool = False  # and a `hosts` there too (write_hosts), over the host's /etc/hosts
+    resolv_conf: Path | None = None  # over the host's /etc/resolv.conf: the DNS relay's (dns_relay.py)
 
 
 def inside_resume_path(resume: str) -> str:
@@ -180,9 +181,7 @@ def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> li
     if iso.method == "bwrap-userns":
         args += ["--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns"]
     args += _system_binds()
-    if mounts.identity is not None:  # over the host's: the node's uid has a name inside
-        for name in ("passwd", "group", *(["hosts"] if mounts.hosts else [])):
-            args += ["--ro-bind", str(mounts.identity / name), f"/etc/{name}"]
+    args += _etc_overlays(mounts)
     args += _kernel_views(mounts)
     for device in mounts.devices:
         args += ["--dev-bind-try", device, device]
@@ -205,6 +204,18 @@ def wrap(argv: Sequence[str], iso: Isolation, mounts: Mounts, python: str) -> li
     entry = [python, "-S", "-I", "-c", ENTRY, str(lifeline.read_end()), str(lifeline.ORPHAN_GRACE_S)]
     entry += [seccomp.program().hex(), str(RUN_DIR / ENV_FILE)]
     return [*args, *entry, *argv]
+
+
+def _etc_overlays(mounts: Mounts) -> list[str]:
+    """The node's own files over the host's in /etc: its uid's name, its nodes' addresses, the
+    DNS relay as its resolver."""
+    args: list[str] = []
+    if mounts.identity is not None:
+        for name in ("passwd", "group", *(["hosts"] if mounts.hosts else [])):
+            args += ["--ro-bind", str(mounts.identity / name), f"/etc/{name}"]
+    if mounts.resolv_conf is not None:
+        args += ["--ro-bind", str(mounts.resolv_conf), "/etc/resolv.conf"]
+    return args
 
 
 def _kernel_views(mounts: Mounts) -> list[str]:

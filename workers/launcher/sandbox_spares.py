@@ -59,6 +59,7 @@ class SpareSandboxes:
         tmp_root: Path,
         python: str,
         private_network: bool = False,
+        resolv_conf: Path | None = None,
         uids: UidPool | None = None,
         warm_ranks: bool = False,
     ) -> None:
@@ -66,6 +67,7 @@ class SpareSandboxes:
         self.uids = uids  # each spare a uid of its own, which the node it serves keeps
         self.iso, self.read_only, self.python = iso, read_only, python
         self.private_network = private_network  # a spare serves only nodes with the same network
+        self.resolv_conf = resolv_conf  # a routed worker's: the DNS relay's (dns_relay.py)
         self.spares_root, self.tmp_root = spares_root, tmp_root
 
     def spawn(self) -> tuple[subprocess.Popen[bytes], SpareDirs]:
@@ -82,6 +84,7 @@ class SpareSandboxes:
             private_network=self.private_network,
             identity=dirs.root / "identity" if dirs.owner is not None else None,
             hosts=self._own_hosts(dirs.owner),
+            resolv_conf=self.resolv_conf,
         )
         agent = [self.python, "-m", "workers.launcher.warm_agent"]
         if self.warm_ranks:  # and room for its forks' command lines (warm_rank.show_command)

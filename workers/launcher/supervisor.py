@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -40,6 +41,7 @@ from workers.launcher.command import (
     identity_dir_of,
     processes_per_node,
 )
+from workers.launcher.dns_relay import DnsRelay
 from workers.launcher.exit_wait import ExitWait
 from workers.launcher.failure import TAIL_BYTES, is_retryable, read_error_file, root_cause, tail
 from workers.launcher.folders import FileSig, FolderRules, FolderSig, FolderWatcher, FoundFolder
@@ -139,10 +141,13 @@ class NodeSupervisor:
         log_max_bytes: int = LOG_MAX_BYTES,
         disk_max_bytes: int | None = None,
         resume_copy: tuple[Path, str] | None = None,
+        dns: DnsRelay | None = None,
     ) -> None:
         self.key, self.plan, self.hooks, self.grace_s, self.shutdown = key, plan, hooks, grace_s, shutdown
         self.clock = NodeClock(limits or NodeLimits())
         self.nnodes = nnodes
+        self.dns = dns  # a routed node's look-ups go through the worker's relay (dns_relay.py)
+        self.dns_socket: socket.socket | None = None
         self.group = group  # the node's control groups: its limits, and all of it to kill
         self.disk_max_bytes = disk_max_bytes  # what the node may keep under its folders
         self.next_disk_look = 0.0
@@ -229,6 +234,8 @@ class NodeSupervisor:
                 rc = self._watch(proc)
             finally:
                 self._kill_all(proc)
+                if self.dns_socket is not None and self.dns is not None:
+                    self.dns.close(self.dns_socket)
         try:
             self._ingest(final=True)
             self._await_listing()
@@ -245,6 +252,11 @@ class NodeSupervisor:
             attached = job_network.attach(proc.pid, self.plan.routed_subnet)
         else:
             return
+        if attached.gateway and self.dns is not None:
+            try:
+                self.dns_socket = self.dns.serve(job_network.sandbox_child(proc.pid))
+            except (OSError, job_network.NetworkUnavailable) as exc:  # its look-ups refused at once
+                log.warning("job %s node %s: no DNS relay: %s", self.key.job_id, self.key.node_rank, exc)
         log.info("job %s node %s: network %s via %s", self.key.job_id, self.key.node_rank,
                  attached.job_address, attached.host_if)  # fmt: skip
 

@@ -18,13 +18,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from workers.context import WorkerContext
-from workers.launcher import job_mesh, job_network, lifeline, procs, sandbox
+from workers.launcher import dns_relay, job_mesh, job_network, lifeline, procs, sandbox
 from workers.launcher.sandbox import ENV_FILE, Isolation, Mounts
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="plumbs network namespaces as root")
@@ -144,7 +145,9 @@ def host_service() -> Iterator[int]:
     server.close()
 
 
-def _sandbox(tmp_path: Path, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+def _sandbox(
+    tmp_path: Path, name: str, argv: list[str], resolv_conf: Path | None = None
+) -> subprocess.Popen[bytes]:
     bwrap = sandbox.find_bwrap()
     assert bwrap, "bubblewrap is a dependency of torchjobs"
     iso = Isolation(kind="sandbox", method="bwrap-setuid", bwrap=bwrap, uid=65534, gid=65534)
@@ -154,7 +157,11 @@ def _sandbox(tmp_path: Path, name: str, argv: list[str]) -> subprocess.Popen[byt
     for path in (run, run / ENV_FILE):
         os.chown(path, 65534, 65534)
     mounts = Mounts(
-        run_dir=run, tmp_dir=run, read_only=sandbox.python_paths(sys.executable), private_network=True
+        run_dir=run,
+        tmp_dir=run,
+        read_only=sandbox.python_paths(sys.executable),
+        private_network=True,
+        resolv_conf=resolv_conf,
     )
     wrapped = sandbox.wrap(argv, iso, mounts, sys.executable)
     return subprocess.Popen(
@@ -267,25 +274,106 @@ def test_the_admin_opens_ranges_and_ports_in_the_walled_ones() -> None:
     job_network.prepare_host(SUBNET)  # as the other tests expect it
 
 
-def test_the_host_s_resolvers_are_opened_on_port_53_only() -> None:
-    """A routed job resolves names through the host's resolvers (a sandbox binds the host's
-    resolv.conf), which usually sit in a walled range; loopback ones are the job's own."""
-    odd = "".join(
-        f"nameserver {a}\n" for a in ("127.0.0.53", "fe80::1", "0.0.0.0", "224.0.0.1", "255.255.255.255")
-    )
-    text = f"# a comment\nnameserver 10.255.255.53\n{odd}search x\nnameserver 10.255.255.53\n"
-    assert job_network.nameservers(text) == ["10.255.255.53"]
-    # plain queries only: UDP, the header's QR and opcode 0 (no zone transfer, no update)
-    rules = job_network.rules(SUBNET, resolvers=["10.255.255.53"])
-    assert 'iifname "tjh*" ip daddr 10.255.255.53 udp dport 53 @th,80,5 0 accept' in rules
-    assert rules.index("udp dport 53") < rules.index("ip daddr { 10.0.0.0/8")
-    job_network.prepare_host(SUBNET, dns=False)
+FAKE_ADDRESS = "203.0.113.7"
+LOOK_UP = r"""
+import json, socket, time
+deadline, answer = time.monotonic() + 15, None
+while time.monotonic() < deadline:  # the veth, and the relay's socket, come a moment after the start
+    try:
+        answer = socket.getaddrinfo("model-hub.test", 443, socket.AF_INET)[0][4][0]
+        break
+    except OSError as exc:
+        answer = type(exc).__name__
+        time.sleep(0.1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(1.0)
+odd = {}
+for name, flags in (("update", 0x28), ("answer_shaped", 0x81)):  # opcode 5; QR 1
+    s.sendto(b"\x12\x34" + bytes([flags, 0]) + bytes(8) + b"\x01x\x00\x00\x01\x00\x01", ("127.0.0.11", 53))
+    try:
+        s.recv(512)
+        odd[name] = "answered"
+    except OSError as exc:
+        odd[name] = type(exc).__name__
+print(json.dumps({"answer": answer, **odd}))
+"""
+
+
+def _answer(query: bytes) -> bytes:
+    """An A record of FAKE_ADDRESS for the query's one question (its id, its question)."""
+    end = 12
+    while query[end]:
+        end += 1 + query[end]
+    question = query[12 : end + 5]
+    header = query[:2] + bytes([0x81, 0x80]) + (1).to_bytes(2, "big") * 2 + bytes(4)
+    record = b"\xc0\x0c" + bytes([0, 1, 0, 1]) + (60).to_bytes(4, "big") + (4).to_bytes(2, "big")
+    return header + question + record + socket.inet_aton(FAKE_ADDRESS)
+
+
+@pytest.fixture
+def loopback_resolver() -> Iterator[tuple[int, list[int]]]:
+    """A resolver on the host's loopback, as systemd-resolved's 127.0.0.53 is (a network
+    namespace cannot reach it at all): every question answered FAKE_ADDRESS, every datagram's
+    opcode recorded."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.77", 0))
+    server.settimeout(0.2)
+    opcodes: list[int] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                data, client = server.recvfrom(4096)
+            except OSError:
+                continue
+            opcodes.append((data[2] >> 3) & 0xF)
+            server.sendto(_answer(data), client)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1], opcodes
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def test_a_routed_job_resolves_names_through_the_worker_s_relay_to_a_loopback_resolver(
+    tmp_path: Path, loopback_resolver: tuple[int, list[int]]
+) -> None:
+    """The job's resolv.conf names the relay on its own loopback; the worker passes plain
+    queries to the host's resolver (here on the host's loopback, where no job could reach it)
+    and its answers back; an update or an answer-shaped datagram is not passed on."""
+    port, opcodes = loopback_resolver
+    job_network.prepare_host(SUBNET)
+    conf = dns_relay.relay_conf(tmp_path / "dns", "nameserver 127.0.0.53\nsearch corp.test\n")
+    assert conf.read_text() == "nameserver 127.0.0.11\nsearch corp.test\n"
+    relay = dns_relay.DnsRelay(["127.0.0.77"], port=port)
+    relay.start()
+    try:
+        job = _sandbox(tmp_path, "look-up", [sys.executable, "-c", LOOK_UP], resolv_conf=conf)
+        try:
+            job_network.attach(job.pid, SUBNET)
+            listener = relay.serve(job_network.sandbox_child(job.pid))
+            out, err = job.communicate(timeout=60)
+        finally:
+            _end(job)
+        relay.close(listener)
+        seen = json.loads(out.decode().strip().splitlines()[-1])
+        assert seen == {"answer": FAKE_ADDRESS, "update": "TimeoutError", "answer_shaped": "TimeoutError"}, (
+            seen,
+            err.decode()[-2000:],
+        )
+        assert opcodes and set(opcodes) == {0}  # the update never reached the resolver
+        deadline = time.monotonic() + 5
+        while listener.fileno() != -1 and time.monotonic() < deadline:  # closed by the relay's thread
+            time.sleep(0.05)
+        assert listener.fileno() == -1  # it held the node's namespace (and its veth) alive
+    finally:
+        relay.stop()
+    # the walls open no resolver to jobs any more: the relay asks from the host's side
     listed = ["nft", "list", "chain", "inet", "torchjobs", "forward"]
-    assert "udp dport 53" not in subprocess.run(listed, capture_output=True, text=True).stdout
-    job_network.prepare_host(SUBNET)  # the default, as the other tests expect it
-    chain = subprocess.run(listed, capture_output=True, text=True).stdout
-    for resolver in job_network.nameservers():  # this host's own
-        assert f"ip daddr {resolver} udp dport 53 @th,80,8 & 0xf8 == 0x0 accept" in chain, chain
+    assert "dport 53" not in subprocess.run(listed, capture_output=True, text=True).stdout
 
 
 def test_a_job_subnet_overlapping_the_host_s_own_network_is_refused() -> None:
@@ -358,6 +446,9 @@ def test_auto_routes_the_world_where_the_worker_can_and_walls_as_much_where_not(
     assert routed.settings.job_network == "auto"
     prepare_job_network(routed)
     assert (routed.job_network, routed.node_meshes, routed.job_subnet) == ("routed", True, SUBNET)
+    assert routed.dns_relay is not None and routed.dns_conf is not None  # its nodes' look-ups
+    routed.dns_relay.stop()
+    assert routed.dns_conf.read_text().startswith("nameserver 127.0.0.11\n")
     with pytest.raises(SystemExit, match="at least a /30"):
         prepare_job_network(worker(iso, job_subnet="10.213.0.0/31"))
     unsandboxed = worker(UNISOLATED, job_subnet=SUBNET)

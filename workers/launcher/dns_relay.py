@@ -1,0 +1,286 @@
+"""Name look-ups for routed job nodes: a DNS relay the worker holds inside each node's network
+namespace, as Docker's embedded DNS does for a container.
+
+A routed node's sandbox reads `/etc/resolv.conf` naming `RELAY_ADDRESS` (the node's own
+loopback, `relay_conf`). There the worker binds a UDP socket of its own (`open_in`: made in the
+node's namespace, owned by the worker, so a rank cannot take the port, which is below 1024), and
+passes each plain query on to the host's resolvers from the host's side, their answer back.
+Why not open the host's resolvers to the job (what the walls did before): a resolver on the
+host's loopback (systemd-resolved's 127.0.0.53, a dnsmasq or unbound cache: Ubuntu's default)
+cannot be reached from a network namespace at all, so a routed job on such a host resolved no
+name; and a resolver on the LAN is a service of the cluster's the job then talked to directly.
+
+What passes: a UDP datagram with a DNS header saying "standard query" (QR 0, opcode 0: no zone
+transfer, which is TCP, no dynamic update, which the resolver would take as the host's own),
+at most `PENDING_MAX` in flight per node and `ALL_PENDING_MAX` in all (a flood costs the job
+its own look-ups, not the worker's descriptors). Back goes only the answer to that query: from
+the resolver it was sent to (a connected socket, a new source port each), with its id, QR 1.
+An unanswered query is sent to the next resolver after `TRY_S`, as glibc would, then dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ipaddress
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("torchjobs.worker")
+
+RELAY_ADDRESS = "127.0.0.11"  # in the node's namespace: its loopback, as Docker's
+DNS_PORT = 53
+HEADER = 12
+DATAGRAM_MAX = 65535
+TRY_S = 2.0
+PENDING_MAX = 64
+ALL_PENDING_MAX = 512
+TICK_S = 0.2
+CLONE_NEWNET = 0x40000000
+KEPT_OPTIONS = ("search", "domain", "options")  # of the host's resolv.conf, for the job's
+
+
+def is_query(data: bytes) -> bool:
+    """A standard query: the header's QR bit and opcode all 0 (byte 2's top five bits)."""
+    return len(data) >= HEADER and data[2] & 0xF8 == 0
+
+
+def answers(query: bytes, data: bytes) -> bool:
+    return len(data) >= HEADER and data[:2] == query[:2] and data[2] & 0x80 != 0
+
+
+def upstreams(text: str | None = None) -> list[str]:
+    """The host's resolvers (`/etc/resolv.conf`), loopback ones included: the relay asks from
+    the host's side. None named means glibc's default, the host's own 127.0.0.1."""
+    if text is None:
+        try:
+            text = Path("/etc/resolv.conf").read_text()
+        except OSError:
+            text = ""
+    found: list[str] = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[0] == "nameserver":
+            with contextlib.suppress(ValueError):
+                address = ipaddress.ip_address(fields[1])
+                if not (address.is_unspecified or address.is_multicast) and str(address) not in found:
+                    found.append(str(address))
+    return found or ["127.0.0.1"]
+
+
+def relay_conf(folder: Path, host_text: str | None = None) -> Path:
+    """The resolv.conf a routed node's sandbox binds: the relay, and the host's search domains
+    and options (`options edns0` lets answers past 512 bytes come by UDP, the relay's only way)."""
+    if host_text is None:
+        try:
+            host_text = Path("/etc/resolv.conf").read_text()
+        except OSError:
+            host_text = ""
+    kept = [line for line in host_text.splitlines() if line.split()[:1] and line.split()[0] in KEPT_OPTIONS]
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o755)
+    path = folder / "resolv.conf"
+    path.write_text("\n".join([f"nameserver {RELAY_ADDRESS}", *kept]) + "\n")
+    path.chmod(0o644)
+    return path
+
+
+def open_in(netns_pid: int, port: int = DNS_PORT) -> socket.socket:
+    """A UDP socket bound at RELAY_ADDRESS in the network namespace of process `netns_pid`,
+    made by a thread of its own that enters it (a namespace is a thread's: the worker's others
+    stay where they are) and dies after."""
+    made: list[socket.socket] = []
+    failed: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            made.append(_bound_in(netns_pid, port))
+        except BaseException as exc:  # handed to the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=make, name="dns-relay-open", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise OSError(f"no DNS relay socket in the node's network: {failed[0]}") from failed[0]
+    return made[0]
+
+
+def _bound_in(netns_pid: int, port: int) -> socket.socket:
+    libc = ctypes.CDLL(None, use_errno=True)
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    theirs = os.open(f"/proc/{netns_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(theirs, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns into the node's network namespace")
+        try:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                sock.bind((RELAY_ADDRESS, port))
+            except OSError:
+                sock.close()
+                raise
+        finally:
+            if libc.setns(own, CLONE_NEWNET) != 0:  # the thread ends here anyway
+                log.error("DNS relay: could not leave a node's network namespace")
+    finally:
+        os.close(own)
+        os.close(theirs)
+    sock.setblocking(False)
+    return sock
+
+
+@dataclass
+class _Pending:
+    listener: socket.socket
+    client: tuple[str, int]
+    query: bytes
+    tried: int
+    deadline: float
+
+
+@dataclass
+class _Listener:
+    sock: socket.socket
+    pending: int = 0
+
+
+@dataclass
+class DnsRelay:
+    """One per worker: a thread and a selector over every node's socket and every query's."""
+
+    servers: list[str]
+    port: int = DNS_PORT
+    try_s: float = TRY_S
+    _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _adds: list[socket.socket] = field(default_factory=list)
+    _removes: list[socket.socket] = field(default_factory=list)
+    _listeners: dict[socket.socket, _Listener] = field(default_factory=dict)
+    _pending: dict[socket.socket, _Pending] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="dns-relay", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def serve(self, netns_pid: int) -> socket.socket:
+        """Relay for the node whose sandbox's first process is `netns_pid`, until `close`."""
+        sock = open_in(netns_pid)
+        with self._lock:
+            self._adds.append(sock)
+        return sock
+
+    def close(self, sock: socket.socket) -> None:
+        """The node ended: its socket goes (it holds the node's namespace, and its veth, alive)."""
+        with self._lock:
+            self._removes.append(sock)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._turn()
+            except Exception:  # a defect here must not end every job's look-ups for good
+                log.exception("DNS relay: a turn failed")
+                time.sleep(TICK_S)
+        with self._lock:
+            self._removes.extend(self._adds)
+            self._adds.clear()
+        self._removes.extend(self._listeners)
+        self._apply_changes()
+        for sock in list(self._pending):
+            self._drop(sock)
+
+    def _turn(self) -> None:
+        self._apply_changes()
+        for key, _ in self._selector.select(TICK_S):
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            with contextlib.suppress(OSError):  # a datagram that could not be read or sent
+                if sock in self._listeners:
+                    self._take_query(self._listeners[sock])
+                elif sock in self._pending:
+                    self._take_answer(sock)
+        self._expire(time.monotonic())
+
+    def _apply_changes(self) -> None:
+        with self._lock:
+            adds, removes = self._adds[:], self._removes[:]
+            self._adds.clear()
+            self._removes.clear()
+        for sock in adds:
+            self._listeners[sock] = _Listener(sock)
+            self._selector.register(sock, selectors.EVENT_READ)
+        for sock in removes:
+            if self._listeners.pop(sock, None) is not None:
+                self._selector.unregister(sock)
+            for upstream, pending in list(self._pending.items()):
+                if pending.listener is sock:
+                    self._drop(upstream)
+            sock.close()
+
+    def _take_query(self, listener: _Listener) -> None:
+        data, client = listener.sock.recvfrom(DATAGRAM_MAX)
+        if not is_query(data) or listener.pending >= PENDING_MAX or len(self._pending) >= ALL_PENDING_MAX:
+            return
+        self._send(_Pending(listener.sock, client, data, 0, 0.0))
+
+    def _send(self, pending: _Pending) -> None:
+        server = self.servers[pending.tried % len(self.servers)]
+        family = socket.AF_INET6 if ":" in server else socket.AF_INET
+        upstream = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            upstream.setblocking(False)
+            upstream.connect((server, self.port))
+            upstream.send(pending.query)
+        except OSError:
+            upstream.close()
+            return
+        pending.deadline = time.monotonic() + self.try_s
+        self._pending[upstream] = pending
+        self._listeners[pending.listener].pending += 1
+        self._selector.register(upstream, selectors.EVENT_READ)
+
+    def _take_answer(self, upstream: socket.socket) -> None:
+        pending = self._pending[upstream]
+        try:
+            data = upstream.recv(DATAGRAM_MAX)
+        except OSError:  # refused (no resolver there): the next one at once
+            self._retry(upstream)
+            return
+        if not answers(pending.query, data):
+            return  # not the answer: the query waits on for it
+        self._drop(upstream)
+        pending.listener.sendto(data, pending.client)
+
+    def _expire(self, now: float) -> None:
+        for upstream, pending in list(self._pending.items()):
+            if pending.deadline <= now:
+                self._retry(upstream)
+
+    def _retry(self, upstream: socket.socket) -> None:
+        pending = self._drop(upstream)
+        pending.tried += 1
+        if pending.tried < len(self.servers) and pending.listener in self._listeners:
+            self._send(pending)
+
+    def _drop(self, upstream: socket.socket) -> _Pending:
+        pending = self._pending.pop(upstream)
+        listener = self._listeners.get(pending.listener)
+        if listener is not None:
+            listener.pending -= 1
+        self._selector.unregister(upstream)
+        upstream.close()
+        return pending
