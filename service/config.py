@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     # while a process of it lives; workers/launcher/uids.py); "off": all as sandbox_user
     job_uids: str = "2000000000-2099999999"
     allow_unisolated: bool = False  # an unsandboxed worker takes every user's jobs, not the admin's only
+    # a worker whose multi-node jobs keep the host's network (a normal user's: no veths) takes
+    # every user's multi-node jobs, not the admin's only (their ranks reach the host's services)
+    allow_host_network: bool = False
     # host folders or files every sandbox binds read-only, comma-separated absolute paths: NCCL
     # network plugins and the libraries they load (with LD_LIBRARY_PATH in rank_env_allow)
     sandbox_binds: str = ""

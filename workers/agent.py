@@ -86,7 +86,19 @@ def register(ctx: WorkerContext) -> None:
             isolation=ctx.isolation.kind,
             isolation_detail=ctx.isolation.detail,
             open_to_all=ctx.isolation.sandboxed or ctx.settings.allow_unisolated,
+            multinode_open_to_all=multinode_open_to_all(ctx),
         )
+
+
+def multinode_open_to_all(ctx: WorkerContext) -> bool:
+    """Whether this worker takes every user's multi-node jobs: their nodes get networks of
+    their own here, or the admin chose otherwise (`TORCHJOBS_JOB_NETWORK=host`,
+    `TORCHJOBS_ALLOW_HOST_NETWORK`). An unsandboxed worker is closed to others as a whole
+    (`open_to_all`). A normal user's worker cannot make veths: there a multi-node job's ranks
+    would share the host's network, its loopback services and abstract sockets included."""
+    settings = ctx.settings
+    chosen = settings.job_network == "host" or settings.allow_host_network
+    return ctx.node_meshes or not ctx.isolation.sandboxed or chosen
 
 
 def record_admin_subnet(ctx: WorkerContext) -> None:

@@ -23,6 +23,8 @@ class WorkerOut(BaseModel):
     isolation: str  # "sandbox" | "none" (contract §7)
     isolation_detail: str  # how ranks are walled off, or why they are not
     open_to_all: bool  # False: unsandboxed, it takes the admin's jobs only
+    # False: its multi-node jobs keep the host's network, so it takes the admin's only
+    multinode_open_to_all: bool
 
 
 class WorkerList(BaseModel):

@@ -60,6 +60,7 @@ def worker_out(w: Worker, used: set[int], jobs: list[int], full_reason: bool = T
         isolation=w.isolation,
         isolation_detail=w.isolation_detail,
         open_to_all=w.open_to_all,
+        multinode_open_to_all=w.multinode_open_to_all,
     )
 
 

@@ -15,7 +15,7 @@ jobs cannot starve a large one forever.
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +29,7 @@ class Host:
     name: str
     free: tuple[int, ...]
     open_to_all: bool = True  # False: an unsandboxed worker, which takes the admin's jobs only
+    multinode_open_to_all: bool = True  # False: the admin's multi-node jobs only (host network)
     quarantined: bool = False  # a sick host (contract §8): no new work until readmitted
     draining: bool = False  # an admin's drain (contract §12): no new work until readmitted
     cuda: bool = True  # a CUDA worker (False: `--accelerator cpu`, process slots)
@@ -139,6 +140,7 @@ def plan(
     sick = {h.name: len(h.free) for h in hosts if h.quarantined and not h.draining}
     preempting = Preempting(running)
     closed = {h.name for h in hosts if not h.open_to_all}
+    host_networks = {h.name for h in hosts if not h.multinode_open_to_all}
     cpu_only = {h.name for h in hosts if not h.cuda}
     result = Plan()
     blocker: QueuedJob | None = None
@@ -157,18 +159,15 @@ def plan(
             continue
         barred = cpu_only if job.needs_cuda else set()
         fitting = _fitting(job, free, barred)
-        unsandboxed = 0
-        if not job.by_admin:
-            unsandboxed = sum(1 for n in fitting if n in closed)
-            fitting = [n for n in fitting if n not in closed]
+        shut = _shut_to(job, closed, host_networks)
+        shut_out = Counter("unsandboxed" if n in closed else "host network" for n in fitting if n in shut)
+        fitting = [n for n in fitting if n not in shut]
         if len(fitting) < job.nodes:
-            if (why := preempting.make_room(job, free, closed, result, barred)) is not None:
+            if (why := preempting.make_room(job, free, shut, result, barred)) is not None:
                 result.pending_reasons[job.id] = why
                 continue
             quarantined = sorted(n for n, k in sick.items() if k >= job.gpus_per_node)
-            result.pending_reasons[job.id] = _reason(
-                job, len(fitting), unsandboxed, quarantined, bool(barred)
-            )
+            result.pending_reasons[job.id] = _reason(job, len(fitting), shut_out, quarantined, bool(barred))
             if job.waited_s >= starvation_s:
                 blocker = job
             continue
@@ -277,10 +276,19 @@ def _fitting(job: QueuedJob, free: dict[str, list[int]], barred: set[str]) -> li
     )
 
 
+def _shut_to(job: QueuedJob, closed: set[str], host_networks: set[str]) -> set[str]:
+    """The hosts that take none of this job: for another user's, those without a sandbox; and
+    for a job that may run on several nodes, those whose multi-node jobs keep the host's
+    network (contract §7 v3: its ranks would reach the host's services)."""
+    if job.by_admin:
+        return set()
+    return closed | host_networks if max(job.nodes, job.max_nodes) > 1 else closed
+
+
 def _reason(
     job: QueuedJob,
     fitting: int,
-    unsandboxed: int = 0,
+    shut_out: Counter[str] | None = None,
     quarantined: list[str] | None = None,
     cuda_only: bool = False,
 ) -> str:
@@ -289,8 +297,14 @@ def _reason(
     reason = f"needs {job.nodes} {node_word} with {job.gpus_per_node} free GPUs; {hosts}"
     if cuda_only:
         reason += " (it needs a CUDA worker: amp fp16)"
-    if unsandboxed:
-        reason += f" ({unsandboxed} more without a sandbox take only the admin's jobs)"
+    shut_out = shut_out or Counter()
+    if shut_out["unsandboxed"]:
+        reason += f" ({shut_out['unsandboxed']} more without a sandbox take only the admin's jobs)"
+    if shut_out["host network"]:
+        reason += (
+            f" ({shut_out['host network']} more run multi-node jobs on their host's network"
+            " and take only the admin's)"
+        )
     if quarantined:
         names = ", ".join(quarantined[:MAX_NAMED_HOSTS])
         if len(quarantined) > MAX_NAMED_HOSTS:

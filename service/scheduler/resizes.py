@@ -22,7 +22,7 @@ from service.hosts import repository as hosts_repo
 from service.jobs import elastic
 from service.jobs import repository as jobs_repo
 from service.jobs.states import RUNNING, lock_job
-from service.models import Job, utcnow
+from service.models import Job, Worker, utcnow
 from service.usage.repository import gpus_in_use
 from service.users import repository as users_repo
 
@@ -84,9 +84,16 @@ def _room(session: Session) -> Room:
         free={
             w.name: w.gpus - len(used.get(w.name, ()))
             for w in hosts_repo.online_workers(session)
-            if w.open_to_all and w.quarantine_reason is None and w.draining_since is None
+            if _room_to_grow(w)
         }
     )
+
+
+def _room_to_grow(w: Worker) -> bool:
+    """Open, healthy and not draining; and a grown job is a multi-node one, so a host that keeps
+    those on its network (a normal user's worker) is no room for it."""
+    open_ = w.open_to_all and w.multinode_open_to_all
+    return open_ and w.quarantine_reason is None and w.draining_since is None
 
 
 def _quota_left(session: Session, owner_ids: set[int]) -> dict[int, int | None]:

@@ -77,6 +77,8 @@ def _exec(stack: Stack, token: str, job_id: int, cmd: str, stdin: bytes = b"") -
 def test_the_worker_is_not_root_and_sandboxes_in_a_user_namespace(stack: Stack) -> None:
     worker = stack.worker("local")
     assert worker is not None and worker["isolation"] == "sandbox", worker
+    # its multi-node jobs would share the host's network: another user's wait (contract §7 v3)
+    assert worker["multinode_open_to_all"] is False, worker
     assert Path(f"/proc/{stack.procs['up'].pid}").stat().st_uid == USER_UID
 
 

@@ -202,6 +202,7 @@ def test_an_unsandboxed_worker_is_readable_so_the_probe_can_see(tmp_path: Path) 
         with stack.client() as c:
             (worker,) = c.get("/v1/workers").json()["items"]
         assert worker["isolation"] == "none" and worker["open_to_all"] is True
+        assert worker["multinode_open_to_all"] is True  # what it takes is open_to_all's to say
     finally:
         stack.stop()
 

@@ -109,6 +109,31 @@ def test_an_unsandboxed_host_takes_only_the_admins_jobs() -> None:
     assert plan([small], hosts, starvation_s=300).placements[3][0].host == "walled"
 
 
+def test_a_host_whose_multi_node_jobs_keep_its_network_takes_only_the_admins_multi_node_jobs() -> None:
+    """A normal user's worker gives a multi-node job's ranks the host's network (contract §7
+    v3: they would reach the host's services): another user's may run there on one node only."""
+    hosts = [
+        Host(name="laptop", free=(0, 1), multinode_open_to_all=False),
+        Host(name="desk", free=(0, 1), multinode_open_to_all=False),
+        Host(name="walled", free=(0,)),
+    ]
+    users = QueuedJob(id=1, priority=0, nodes=2, gpus_per_node=2, by_admin=False)
+    elastic = QueuedJob(id=2, priority=0, nodes=1, max_nodes=2, gpus_per_node=2, by_admin=False)
+    single = QueuedJob(id=3, priority=0, nodes=1, gpus_per_node=2, by_admin=False)
+    result = plan([users, elastic, single], hosts, starvation_s=300)
+    assert 1 not in result.placements and 2 not in result.placements
+    assert result.pending_reasons[1] == (
+        "needs 2 nodes with 2 free GPUs; 0 have them (2 more run multi-node jobs on their host's "
+        "network and take only the admin's)"
+    )
+    assert result.placements[3][0].host in ("laptop", "desk")  # one node: its own loopback
+    admins = QueuedJob(id=4, priority=0, nodes=2, gpus_per_node=2)
+    assert {n.host for n in plan([admins], hosts, starvation_s=300).placements[4]} == {"laptop", "desk"}
+    both = [Host(name="bare", free=(0, 1), open_to_all=False), *hosts]
+    reason = plan([users], both, starvation_s=300).pending_reasons[1]
+    assert "(1 more without a sandbox take only the admin's jobs) (2 more run multi-node" in reason
+
+
 def test_a_quarantined_host_takes_nothing_and_the_reason_names_it() -> None:
     hosts = [Host(name="sick", free=(0, 1), quarantined=True), Host(name="well", free=(0,))]
     big = QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=2)
