@@ -207,7 +207,9 @@ def _forward_connected(sock: socket.socket, proc: subprocess.Popen[bytes]) -> tu
     """The in-sandbox relay's first byte: 0 when it reached the port (and what came after it
     in the same read); else the refusal, sent to the API."""
     assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], HANDSHAKE_TIMEOUT_S)
+    poller = select.poll()  # not select(): a busy worker's descriptors pass 1023
+    poller.register(proc.stdout.fileno(), select.POLLIN)
+    ready = poller.poll(HANDSHAKE_TIMEOUT_S * 1000)
     first = os.read(proc.stdout.fileno(), 256) if ready else b""
     if first[:1] == b"\x00":
         return True, first[1:]

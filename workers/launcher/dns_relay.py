@@ -10,12 +10,19 @@ host's loopback (systemd-resolved's 127.0.0.53, a dnsmasq or unbound cache: Ubun
 cannot be reached from a network namespace at all, so a routed job on such a host resolved no
 name; and a resolver on the LAN is a service of the cluster's the job then talked to directly.
 
-What passes: a UDP datagram with a DNS header saying "standard query" (QR 0, opcode 0: no zone
-transfer, which is TCP, no dynamic update, which the resolver would take as the host's own),
-at most `PENDING_MAX` in flight per node and `ALL_PENDING_MAX` in all (a flood costs the job
-its own look-ups, not the worker's descriptors). Back goes only the answer to that query: from
-the resolver it was sent to (a connected socket, a new source port each), with its id, QR 1.
-An unanswered query is sent to the next resolver after `TRY_S`, as glibc would, then dropped.
+What passes: one plain question, as a stub resolver asks it (dns_wire.py: no update, no zone
+transfer, no ANY), at most `RATE` datagrams a second per node (a burst of `BURST`; junk counts
+too), `PENDING_MAX` in flight per node and `ALL_PENDING_MAX` in all (a flood costs the job its
+own look-ups, not the worker's descriptors, nor the host's conntrack table, which the walls
+cap per job node for the same reason). Back goes only the answer to that query: from the
+resolver it was sent to (a connected socket, a new source port each), with its id, QR 1. An
+unanswered query is sent to the next resolver after `TRY_S`, as glibc would; with none left,
+the relay answers SERVFAIL itself (REFUSED when over the limits in flight), so the client
+gives up at once rather than after its own timeout.
+
+systemd-resolved's stub (127.0.0.53) is not asked where its upstream list says who it asks:
+the stub also answers `_gateway`, `_outbound` and the host's own name with the host's
+addresses (which the walls keep from jobs), and mDNS and LLMNR names from the LAN.
 """
 
 from __future__ import annotations
@@ -32,37 +39,46 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workers.launcher import dns_wire
+
 log = logging.getLogger("torchjobs.worker")
 
 RELAY_ADDRESS = "127.0.0.11"  # in the node's namespace: its loopback, as Docker's
 DNS_PORT = 53
-HEADER = 12
 DATAGRAM_MAX = 65535
 TRY_S = 2.0
-PENDING_MAX = 64
+RATE, BURST = 50.0, 100.0  # datagrams a second per node
+PENDING_MAX = 32
 ALL_PENDING_MAX = 512
 TICK_S = 0.2
 CLONE_NEWNET = 0x40000000
 KEPT_OPTIONS = ("search", "domain", "options")  # of the host's resolv.conf, for the job's
+RESOLVED_STUB = "127.0.0.53"
+RESOLVED_UPSTREAMS = Path("/run/systemd/resolve/resolv.conf")  # systemd-resolved's own list
 
 
-def is_query(data: bytes) -> bool:
-    """A standard query: the header's QR bit and opcode all 0 (byte 2's top five bits)."""
-    return len(data) >= HEADER and data[2] & 0xF8 == 0
-
-
-def answers(query: bytes, data: bytes) -> bool:
-    return len(data) >= HEADER and data[:2] == query[:2] and data[2] & 0x80 != 0
-
-
-def upstreams(text: str | None = None) -> list[str]:
+def upstreams(text: str | None = None, resolved: str | None = None) -> list[str]:
     """The host's resolvers (`/etc/resolv.conf`), loopback ones included: the relay asks from
-    the host's side. None named means glibc's default, the host's own 127.0.0.1."""
-    if text is None:
-        try:
-            text = Path("/etc/resolv.conf").read_text()
-        except OSError:
-            text = ""
+    the host's side. systemd-resolved's stub is replaced by the servers it asks (`resolved`,
+    its own list), where it names any. None named means glibc's default, 127.0.0.1."""
+    found = _nameservers(_read(Path("/etc/resolv.conf")) if text is None else text)
+    if RESOLVED_STUB in found:
+        behind = _nameservers(_read(RESOLVED_UPSTREAMS) if resolved is None else resolved)
+        behind = [a for a in behind if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
+        if behind:
+            at = found.index(RESOLVED_STUB)
+            found[at : at + 1] = [a for a in behind if a not in found]
+    return found or ["127.0.0.1"]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _nameservers(text: str) -> list[str]:
     found: list[str] = []
     for line in text.splitlines():
         fields = line.split()
@@ -71,7 +87,7 @@ def upstreams(text: str | None = None) -> list[str]:
                 address = ipaddress.ip_address(fields[1])
                 if not (address.is_unspecified or address.is_multicast) and str(address) not in found:
                     found.append(str(address))
-    return found or ["127.0.0.1"]
+    return found
 
 
 def relay_conf(folder: Path, host_text: str | None = None) -> Path:
@@ -114,9 +130,11 @@ def open_in(netns_pid: int, port: int = DNS_PORT) -> socket.socket:
 
 def _bound_in(netns_pid: int, port: int) -> socket.socket:
     libc = ctypes.CDLL(None, use_errno=True)
-    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    theirs = os.open(f"/proc/{netns_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
+    with contextlib.ExitStack() as fds:
+        own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        fds.callback(os.close, own)
+        theirs = os.open(f"/proc/{netns_pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        fds.callback(os.close, theirs)
         if libc.setns(theirs, CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), "setns into the node's network namespace")
         try:
@@ -129,9 +147,6 @@ def _bound_in(netns_pid: int, port: int) -> socket.socket:
         finally:
             if libc.setns(own, CLONE_NEWNET) != 0:  # the thread ends here anyway
                 log.error("DNS relay: could not leave a node's network namespace")
-    finally:
-        os.close(own)
-        os.close(theirs)
     sock.setblocking(False)
     return sock
 
@@ -141,23 +156,37 @@ class _Pending:
     listener: socket.socket
     client: tuple[str, int]
     query: bytes
-    tried: int
-    deadline: float
+    tried: int = 0
+    deadline: float = 0.0
 
 
 @dataclass
 class _Listener:
+    """A node's socket, its queries in flight and its token bucket (RATE, BURST)."""
+
     sock: socket.socket
     pending: int = 0
+    tokens: float = BURST
+    filled_at: float = field(default_factory=time.monotonic)
+
+    def spend(self, now: float) -> bool:
+        self.tokens = min(BURST, self.tokens + (now - self.filled_at) * RATE)
+        self.filled_at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
 
 
 @dataclass
 class DnsRelay:
-    """One per worker: a thread and a selector over every node's socket and every query's."""
+    """One per worker: a thread and a selector over every node's socket and every query's.
+    Only `serve` and `close` are called from other threads (through `_adds`, `_removes`)."""
 
     servers: list[str]
-    port: int = DNS_PORT
+    port: int = DNS_PORT  # the resolvers'
     try_s: float = TRY_S
+    listen_port: int = DNS_PORT  # the relay's, in each node's namespace (tests: 0, any)
     _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _adds: list[socket.socket] = field(default_factory=list)
@@ -165,6 +194,7 @@ class DnsRelay:
     _listeners: dict[socket.socket, _Listener] = field(default_factory=dict)
     _pending: dict[socket.socket, _Pending] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _stopped: bool = False  # under _lock: the loop has ended, serve and close act alone
     _thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -178,15 +208,21 @@ class DnsRelay:
 
     def serve(self, netns_pid: int) -> socket.socket:
         """Relay for the node whose sandbox's first process is `netns_pid`, until `close`."""
-        sock = open_in(netns_pid)
+        sock = open_in(netns_pid, self.listen_port)
         with self._lock:
-            self._adds.append(sock)
-        return sock
+            if not self._stopped:
+                self._adds.append(sock)
+                return sock
+        sock.close()
+        raise OSError("the worker's DNS relay has stopped")
 
     def close(self, sock: socket.socket) -> None:
         """The node ended: its socket goes (it holds the node's namespace, and its veth, alive)."""
         with self._lock:
-            self._removes.append(sock)
+            if not self._stopped:
+                self._removes.append(sock)
+                return
+        sock.close()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -196,12 +232,11 @@ class DnsRelay:
                 log.exception("DNS relay: a turn failed")
                 time.sleep(TICK_S)
         with self._lock:
+            self._stopped = True
             self._removes.extend(self._adds)
             self._adds.clear()
         self._removes.extend(self._listeners)
         self._apply_changes()
-        for sock in list(self._pending):
-            self._drop(sock)
 
     def _turn(self) -> None:
         self._apply_changes()
@@ -224,34 +259,43 @@ class DnsRelay:
             self._listeners[sock] = _Listener(sock)
             self._selector.register(sock, selectors.EVENT_READ)
         for sock in removes:
-            if self._listeners.pop(sock, None) is not None:
-                self._selector.unregister(sock)
-            for upstream, pending in list(self._pending.items()):
-                if pending.listener is sock:
+            try:
+                if self._listeners.pop(sock, None) is not None:
+                    self._selector.unregister(sock)
+                for upstream in [u for u, p in self._pending.items() if p.listener is sock]:
                     self._drop(upstream)
-            sock.close()
+            finally:
+                sock.close()
 
     def _take_query(self, listener: _Listener) -> None:
         data, client = listener.sock.recvfrom(DATAGRAM_MAX)
-        if not is_query(data) or listener.pending >= PENDING_MAX or len(self._pending) >= ALL_PENDING_MAX:
+        if not listener.spend(time.monotonic()) or not dns_wire.plain_question(data):
+            return  # over its rate, or not a question a stub asks: no answer at all
+        if listener.pending >= PENDING_MAX or len(self._pending) >= ALL_PENDING_MAX:
+            listener.sock.sendto(dns_wire.failure(data, dns_wire.REFUSED), client)
             return
-        self._send(_Pending(listener.sock, client, data, 0, 0.0))
+        self._send(_Pending(listener.sock, client, data))
 
     def _send(self, pending: _Pending) -> None:
-        server = self.servers[pending.tried % len(self.servers)]
-        family = socket.AF_INET6 if ":" in server else socket.AF_INET
-        upstream = socket.socket(family, socket.SOCK_DGRAM)
-        try:
-            upstream.setblocking(False)
-            upstream.connect((server, self.port))
-            upstream.send(pending.query)
-        except OSError:
-            upstream.close()
+        """To the next resolver; with none left, SERVFAIL to the client."""
+        while pending.tried < len(self.servers):
+            server = self.servers[pending.tried]
+            upstream = socket.socket(socket.AF_INET6 if ":" in server else socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                upstream.setblocking(False)
+                upstream.connect((server, self.port))
+                upstream.send(pending.query)
+                self._selector.register(upstream, selectors.EVENT_READ)
+            except OSError:
+                upstream.close()
+                pending.tried += 1
+                continue
+            pending.deadline = time.monotonic() + self.try_s
+            self._pending[upstream] = pending
+            self._listeners[pending.listener].pending += 1
             return
-        pending.deadline = time.monotonic() + self.try_s
-        self._pending[upstream] = pending
-        self._listeners[pending.listener].pending += 1
-        self._selector.register(upstream, selectors.EVENT_READ)
+        if pending.listener in self._listeners:
+            pending.listener.sendto(dns_wire.failure(pending.query, dns_wire.SERVFAIL), pending.client)
 
     def _take_answer(self, upstream: socket.socket) -> None:
         pending = self._pending[upstream]
@@ -260,20 +304,20 @@ class DnsRelay:
         except OSError:  # refused (no resolver there): the next one at once
             self._retry(upstream)
             return
-        if not answers(pending.query, data):
+        if not dns_wire.answers(pending.query, data):
             return  # not the answer: the query waits on for it
         self._drop(upstream)
         pending.listener.sendto(data, pending.client)
 
     def _expire(self, now: float) -> None:
-        for upstream, pending in list(self._pending.items()):
-            if pending.deadline <= now:
+        for upstream in [u for u, p in self._pending.items() if p.deadline <= now]:
+            with contextlib.suppress(OSError):
                 self._retry(upstream)
 
     def _retry(self, upstream: socket.socket) -> None:
         pending = self._drop(upstream)
         pending.tried += 1
-        if pending.tried < len(self.servers) and pending.listener in self._listeners:
+        if pending.listener in self._listeners:
             self._send(pending)
 
     def _drop(self, upstream: socket.socket) -> _Pending:
@@ -281,6 +325,8 @@ class DnsRelay:
         listener = self._listeners.get(pending.listener)
         if listener is not None:
             listener.pending -= 1
-        self._selector.unregister(upstream)
-        upstream.close()
+        try:
+            self._selector.unregister(upstream)
+        finally:
+            upstream.close()
         return pending

@@ -233,9 +233,11 @@ class NodeSupervisor:
                 self._plumb_network(proc)
                 rc = self._watch(proc)
             finally:
-                self._kill_all(proc)
-                if self.dns_socket is not None and self.dns is not None:
-                    self.dns.close(self.dns_socket)
+                try:
+                    self._kill_all(proc)
+                finally:
+                    if self.dns_socket is not None and self.dns is not None:
+                        self.dns.close(self.dns_socket)
         try:
             self._ingest(final=True)
             self._await_listing()
