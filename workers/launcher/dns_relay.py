@@ -47,7 +47,7 @@ RELAY_ADDRESS = "127.0.0.11"  # in the node's namespace: its loopback, as Docker
 DNS_PORT = 53
 DATAGRAM_MAX = 65535
 TRY_S = 2.0
-RATE, BURST = 50.0, 100.0  # datagrams a second per node
+RATE, BURST = 100.0, 500.0  # datagrams a second per node: under 4,096 conntrack entries at 30 s each
 PENDING_MAX = 32
 ALL_PENDING_MAX = 512
 TICK_S = 0.2
@@ -165,12 +165,14 @@ class _Listener:
     """A node's socket, its queries in flight and its token bucket (RATE, BURST)."""
 
     sock: socket.socket
+    rate: float = RATE
+    burst: float = BURST
     pending: int = 0
     tokens: float = BURST
     filled_at: float = field(default_factory=time.monotonic)
 
     def spend(self, now: float) -> bool:
-        self.tokens = min(BURST, self.tokens + (now - self.filled_at) * RATE)
+        self.tokens = min(self.burst, self.tokens + (now - self.filled_at) * self.rate)
         self.filled_at = now
         if self.tokens < 1.0:
             return False
@@ -187,6 +189,8 @@ class DnsRelay:
     port: int = DNS_PORT  # the resolvers'
     try_s: float = TRY_S
     listen_port: int = DNS_PORT  # the relay's, in each node's namespace (tests: 0, any)
+    rate: float = RATE
+    burst: float = BURST
     _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _adds: list[socket.socket] = field(default_factory=list)
@@ -256,7 +260,7 @@ class DnsRelay:
             self._adds.clear()
             self._removes.clear()
         for sock in adds:
-            self._listeners[sock] = _Listener(sock)
+            self._listeners[sock] = _Listener(sock, self.rate, self.burst, tokens=self.burst)
             self._selector.register(sock, selectors.EVENT_READ)
         for sock in removes:
             try:
