@@ -139,6 +139,9 @@ def test_a_two_host_job_meets_over_its_own_addresses_and_reaches_no_host(two_hos
         prefix = env["TORCHJOBS_JOB_SUBNET_POOL"].removesuffix("0.0/16") + f"{pooled.index(node0_host)}."
     assert seen[0]["master"].startswith(prefix), seen
     assert seen[1]["peer"] == "peer", seen  # its own other node, at that node's own address
+    for node in (0, 1):  # a routed node resolves through its worker's relay; a private one has no route
+        host = next(a["worker"] for a in done["assignments"] if a["node_rank"] == node)
+        assert (seen[node]["resolver"] == "127.0.0.11") == (host in ROUTED_HOSTS[network]), (node, seen)
     for node in (0, 1):
         for target in walled:
             assert seen[node][target] in ("TimeoutError", "OSError"), (node, target, seen)
