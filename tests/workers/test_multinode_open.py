@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from service.config import Settings
+from tests.workers.launcher.test_job_network import worker
 from workers.agent import multinode_open_to_all
 from workers.context import WorkerContext
 from workers.launcher.sandbox import UNISOLATED, Isolation
@@ -12,24 +10,15 @@ from workers.launcher.sandbox import UNISOLATED, Isolation
 USERNS = Isolation(kind="sandbox", method="bwrap-userns", bwrap="/usr/bin/bwrap")
 
 
-def _worker(iso: Isolation, node_meshes: bool, **settings: Any) -> WorkerContext:
-    ctx = WorkerContext(
-        settings=Settings(**settings),
-        db=None,  # type: ignore[arg-type]
-        storage=None,  # type: ignore[arg-type]
-        name="w",
-        session_id="s",
-        address="192.0.2.1",
-        accelerator="cpu",
-        gpus=1,
-    )
-    ctx.isolation, ctx.node_meshes = iso, node_meshes
+def _worker(iso: Isolation, node_meshes: bool, **settings: str) -> WorkerContext:
+    ctx = worker(iso, **settings)
+    ctx.node_meshes = node_meshes
     return ctx
 
 
 def test_a_worker_whose_multi_node_jobs_keep_the_host_network_takes_only_the_admins() -> None:
     assert not multinode_open_to_all(_worker(USERNS, node_meshes=False))  # a normal user's
     assert multinode_open_to_all(_worker(USERNS, node_meshes=True))  # a root worker's meshes
-    assert multinode_open_to_all(_worker(USERNS, node_meshes=False, allow_host_network=True))
+    assert multinode_open_to_all(_worker(USERNS, node_meshes=False, allow_host_network="true"))
     assert multinode_open_to_all(_worker(USERNS, node_meshes=False, job_network="host"))  # chosen
     assert multinode_open_to_all(_worker(UNISOLATED, node_meshes=False))  # closed as a whole instead
