@@ -87,7 +87,15 @@ def register(ctx: WorkerContext) -> None:
             isolation_detail=ctx.isolation.detail,
             open_to_all=ctx.isolation.sandboxed or ctx.settings.allow_unisolated,
             multinode_open_to_all=multinode_open_to_all(ctx),
+            meshes=meshes(ctx),
         )
+
+
+def meshes(ctx: WorkerContext) -> bool:
+    """Whether a multi-node job's nodes get networks of their own here (node.py
+    `_meets_over_veth`): such a node meets its peers only at their own addresses, so the
+    scheduler never gives one job nodes here and on a worker whose nodes keep the host's."""
+    return ctx.node_meshes and ctx.isolation.sandboxed
 
 
 def multinode_open_to_all(ctx: WorkerContext) -> bool:

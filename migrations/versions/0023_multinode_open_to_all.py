@@ -1,5 +1,6 @@
-"""workers.multinode_open_to_all (contract §7 v3): a worker whose multi-node jobs keep the host's
-network takes the admin's multi-node jobs only
+"""workers.multinode_open_to_all and workers.meshes (contract §7 v3): a worker whose multi-node
+jobs keep the host's network takes the admin's multi-node jobs only, and no job's nodes are
+split between such a worker and one that gives them networks of their own
 
 Revision ID: 0023
 Revises: 0022
@@ -22,8 +23,10 @@ def upgrade() -> None:
         batch.add_column(
             sa.Column("multinode_open_to_all", sa.Boolean(), server_default=sa.true(), nullable=False)
         )
+        batch.add_column(sa.Column("meshes", sa.Boolean(), server_default=sa.true(), nullable=False))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("workers") as batch:
+        batch.drop_column("meshes")
         batch.drop_column("multinode_open_to_all")

@@ -37,6 +37,7 @@ def upsert_worker(
     isolation_detail: str = "",
     open_to_all: bool = True,
     multinode_open_to_all: bool = True,
+    meshes: bool = True,
 ) -> None:
     worker = session.get(Worker, name, with_for_update=True)
     if worker is not None and not worker_may_move(worker.state, WorkerState.ONLINE):
@@ -51,6 +52,7 @@ def upsert_worker(
     worker.session, worker.last_heartbeat, worker.started_at = session_id, now, now
     worker.isolation, worker.isolation_detail = isolation, isolation_detail[:512]
     worker.open_to_all, worker.multinode_open_to_all = open_to_all, multinode_open_to_all
+    worker.meshes = meshes
     worker.gpu_ids = gpu_ids if gpu_ids is not None else [str(i) for i in range(gpus)]
 
 

@@ -30,6 +30,9 @@ class Worker(Base):
     # (v3) False: its multi-node jobs keep the host's network (a normal user's worker, whose
     # nodes cannot have networks of their own), so it takes the admin's multi-node jobs only
     multinode_open_to_all: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    # (v3) its multi-node jobs' nodes get networks of their own (routed or private meshes): a
+    # job's nodes all do, or none, or they never meet (the scheduler keeps them apart)
+    meshes: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     # contract §8: attempts in a row that ended in an infrastructure failure here, and why the
     # host takes no new work (None: it does). Not a `state`: it outlives restarts and silences.
     infra_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")

@@ -30,6 +30,7 @@ class Host:
     free: tuple[int, ...]
     open_to_all: bool = True  # False: an unsandboxed worker, which takes the admin's jobs only
     multinode_open_to_all: bool = True  # False: the admin's multi-node jobs only (host network)
+    meshes: bool = True  # a multi-node job's nodes get networks of their own (never mixed)
     quarantined: bool = False  # a sick host (contract §8): no new work until readmitted
     draining: bool = False  # an admin's drain (contract §12): no new work until readmitted
     cuda: bool = True  # a CUDA worker (False: `--accelerator cpu`, process slots)
@@ -141,6 +142,7 @@ def plan(
     preempting = Preempting(running)
     closed = {h.name for h in hosts if not h.open_to_all}
     host_networks = {h.name for h in hosts if not h.multinode_open_to_all}
+    meshed = {h.name for h in hosts if h.meshes}
     cpu_only = {h.name for h in hosts if not h.cuda}
     result = Plan()
     blocker: QueuedJob | None = None
@@ -161,7 +163,9 @@ def plan(
         fitting = _fitting(job, free, barred)
         shut = _shut_to(job, closed, host_networks)
         shut_out = Counter("unsandboxed" if n in closed else "host network" for n in fitting if n in shut)
-        fitting = [n for n in fitting if n not in shut]
+        allowed = [n for n in fitting if n not in shut]
+        fitting = one_network_kind(job, allowed, meshed)
+        shut_out["other network"] = len(allowed) - len(fitting)
         if len(fitting) < job.nodes:
             if (why := preempting.make_room(job, free, shut, result, barred)) is not None:
                 result.pending_reasons[job.id] = why
@@ -276,6 +280,20 @@ def _fitting(job: QueuedJob, free: dict[str, list[int]], barred: set[str]) -> li
     )
 
 
+def one_network_kind(job: QueuedJob, fitting: list[str], meshed: set[str]) -> list[str]:
+    """For a job that may run on several nodes, the fitting hosts of one kind only: all give
+    its nodes networks of their own, or none do. A node in a network of its own meets its
+    peers at their own addresses, which a node on its host's network never says: mixed, the
+    job would wait out its rendezvous and fail. The kind that gives it more nodes (up to its
+    most), meshed hosts where both give as many."""
+    most = max(job.nodes, job.max_nodes)
+    if most <= 1:
+        return fitting
+    own = [n for n in fitting if n in meshed]
+    plain = [n for n in fitting if n not in meshed]
+    return own if min(len(own), most) >= min(len(plain), most) else plain
+
+
 def _shut_to(job: QueuedJob, closed: set[str], host_networks: set[str]) -> set[str]:
     """The hosts that take none of this job: for another user's, those without a sandbox; and
     for a job that may run on several nodes, those whose multi-node jobs keep the host's
@@ -304,6 +322,11 @@ def _reason(
         reason += (
             f" ({shut_out['host network']} more run multi-node jobs on their host's network"
             " and take only the admin's)"
+        )
+    if shut_out["other network"]:
+        reason += (
+            f" ({shut_out['other network']} more would put its nodes in another kind of network:"
+            " a job's nodes all get networks of their own, or none)"
         )
     if quarantined:
         names = ", ".join(quarantined[:MAX_NAMED_HOSTS])

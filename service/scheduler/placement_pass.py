@@ -205,6 +205,7 @@ def placement_inputs(session: Session) -> PlacementInputs:
             free=tuple(i for i in range(w.gpus) if i not in used.get(n, set())),
             open_to_all=w.open_to_all,
             multinode_open_to_all=w.multinode_open_to_all,
+            meshes=w.meshes,
             quarantined=w.quarantine_reason is not None,
             draining=w.draining_since is not None,
             cuda=w.accelerator == "cuda",

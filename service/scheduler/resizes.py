@@ -12,7 +12,7 @@ pass: a wish whose room has gone is dropped.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session
@@ -31,13 +31,24 @@ log = logging.getLogger("torchjobs.scheduler")
 
 @dataclass
 class Room:
-    """Free GPU slots per open host, taken from as this pass lets jobs grow."""
+    """Free GPU slots per open host, taken from as this pass lets jobs grow; and which hosts
+    give a multi-node job's nodes networks of their own (a job grows onto its own kind only:
+    placement.one_network_kind)."""
 
     free: dict[str, int]
+    meshed: set[str] = field(default_factory=set)
+
+    def _hosts_for(self, job: Job, own_hosts: set[str]) -> list[str]:
+        kind = bool(own_hosts & self.meshed)
+        return sorted(
+            n
+            for n, k in self.free.items()
+            if k >= job.gpus_per_node and n not in own_hosts and (n in self.meshed) == kind
+        )
 
     def extra_nodes(self, job: Job, own_hosts: set[str], quota_left: int | None) -> int:
         """How many more nodes the job could have: one per free host it is not on yet."""
-        hosts = sum(1 for n, k in self.free.items() if k >= job.gpus_per_node and n not in own_hosts)
+        hosts = len(self._hosts_for(job, own_hosts))
         extra = min(hosts, (job.nodes_max or job.nodes) - job.nodes)
         if quota_left is not None:
             extra = min(extra, quota_left // job.gpus_per_node)
@@ -45,8 +56,7 @@ class Room:
 
     def take(self, job: Job, own_hosts: set[str], nodes: int) -> None:
         """Hold the room a job will grow into from the jobs after it in this pass."""
-        hosts = sorted(n for n, k in self.free.items() if k >= job.gpus_per_node and n not in own_hosts)
-        for name in hosts[:nodes]:
+        for name in self._hosts_for(job, own_hosts)[:nodes]:
             self.free[name] -= job.gpus_per_node
 
 
@@ -80,12 +90,10 @@ def grow(session: Session, settings: Settings) -> None:
 
 def _room(session: Session) -> Room:
     used = hosts_repo.used_slots(session)
+    workers = hosts_repo.online_workers(session)
     return Room(
-        free={
-            w.name: w.gpus - len(used.get(w.name, ()))
-            for w in hosts_repo.online_workers(session)
-            if _room_to_grow(w)
-        }
+        free={w.name: w.gpus - len(used.get(w.name, ())) for w in workers if _room_to_grow(w)},
+        meshed={w.name for w in workers if w.meshes},  # the job's own hosts among them
     )
 
 

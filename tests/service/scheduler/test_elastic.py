@@ -205,6 +205,22 @@ def test_it_grows_back_at_its_next_checkpoint_when_room_and_nobody_waits(db: Dat
     assert attempt_reasons(db, job_id)[0] == "resized"
 
 
+def test_it_grows_only_onto_hosts_of_its_own_network_kind(db: Database) -> None:
+    """Its nodes in networks of their own meet only such peers (placement.one_network_kind)."""
+    db.settings.resize_interval_s = 0
+    one_slot_workers(db, "a", "b")
+    job_id = submit_elastic(db, 2, 3)
+    schedule(db)
+    start(db, job_id)
+    with db.transaction() as s:
+        make_worker(s, "plain", gpus=1, meshes=False, multinode_open_to_all=True)
+    schedule(db)
+    assert job(db, job_id).resize_wanted_at is None  # no room of its kind
+    one_slot_workers(db, "c")
+    schedule(db)
+    assert job(db, job_id).resize_wanted_at is not None
+
+
 def test_no_growth_while_an_equal_priority_job_waits_or_within_the_interval(db: Database) -> None:
     one_slot_workers(db, "a", "b")
     job_id = submit_elastic(db, 2, 3)

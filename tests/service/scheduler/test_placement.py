@@ -134,6 +134,32 @@ def test_a_host_whose_multi_node_jobs_keep_its_network_takes_only_the_admins_mul
     assert "(1 more without a sandbox take only the admin's jobs) (2 more run multi-node" in reason
 
 
+def test_a_multi_node_job_never_has_nodes_both_in_networks_of_their_own_and_on_a_host_s() -> None:
+    """A meshed node meets its peers at their own addresses, which a host-network node never
+    says: one job's nodes are all of one kind (meshed first where enough fit)."""
+
+    def placed(*kinds: bool, nodes: int = 2) -> set[str] | None:
+        names = [f"{'mesh' if k else 'plain'}{i}" for i, k in enumerate(kinds)]
+        hosts = [Host(name=n, free=(0,), meshes=k) for n, k in zip(names, kinds, strict=True)]
+        result = plan([QueuedJob(id=1, priority=0, nodes=nodes, gpus_per_node=1)], hosts, starvation_s=300)
+        return {n.host for n in result.placements[1]} if 1 in result.placements else None
+
+    assert placed(True, False, False) == {"plain1", "plain2"}
+    assert placed(True, True, False) == {"mesh0", "mesh1"}
+    assert placed(True, False) is None  # one of each: it waits, saying why
+    split = [Host(name="mesh", free=(0,)), Host(name="plain", free=(0,), meshes=False)]
+    reason = plan([QueuedJob(id=1, priority=0, nodes=2, gpus_per_node=1)], split, 300).pending_reasons[1]
+    assert reason == (
+        "needs 2 nodes with 1 free GPUs; 1 has them (1 more would put its nodes in another kind of "
+        "network: a job's nodes all get networks of their own, or none)"
+    )
+    assert placed(True, False, nodes=1) is not None  # one node: either kind
+    elastic = QueuedJob(id=2, priority=0, nodes=1, max_nodes=3, gpus_per_node=1)
+    hosts = [Host(name="mesh", free=(0,)), Host(name="plain0", free=(0,), meshes=False)]
+    hosts.append(Host(name="plain1", free=(0,), meshes=False))
+    assert {n.host for n in plan([elastic], hosts, starvation_s=300).placements[2]} == {"plain0", "plain1"}
+
+
 def test_a_quarantined_host_takes_nothing_and_the_reason_names_it() -> None:
     hosts = [Host(name="sick", free=(0, 1), quarantined=True), Host(name="well", free=(0,))]
     big = QueuedJob(id=1, priority=0, nodes=1, gpus_per_node=2)
