@@ -184,12 +184,18 @@ def checkpoint(db: Database, job_id: int) -> None:
         s.add(ckpt)
 
 
-def test_it_grows_back_at_its_next_checkpoint_when_room_and_nobody_waits(db: Database) -> None:
+def running_on_two_of_three(db: Database) -> int:
+    """An elastic job (2 to 3 nodes) running on two one-slot hosts, free to resize at once."""
     db.settings.resize_interval_s = 0
     one_slot_workers(db, "a", "b")
     job_id = submit_elastic(db, 2, 3)
     schedule(db)
     start(db, job_id)
+    return job_id
+
+
+def test_it_grows_back_at_its_next_checkpoint_when_room_and_nobody_waits(db: Database) -> None:
+    job_id = running_on_two_of_three(db)
     one_slot_workers(db, "c")
     schedule(db)
     wants = job(db, job_id)
@@ -207,11 +213,7 @@ def test_it_grows_back_at_its_next_checkpoint_when_room_and_nobody_waits(db: Dat
 
 def test_it_grows_only_onto_hosts_of_its_own_network_kind(db: Database) -> None:
     """Its nodes in networks of their own meet only such peers (placement.one_network_kind)."""
-    db.settings.resize_interval_s = 0
-    one_slot_workers(db, "a", "b")
-    job_id = submit_elastic(db, 2, 3)
-    schedule(db)
-    start(db, job_id)
+    job_id = running_on_two_of_three(db)
     with db.transaction() as s:
         make_worker(s, "plain", gpus=1, meshes=False, multinode_open_to_all=True)
     schedule(db)
