@@ -87,15 +87,8 @@ def register(ctx: WorkerContext) -> None:
             isolation_detail=ctx.isolation.detail,
             open_to_all=ctx.isolation.sandboxed or ctx.settings.allow_unisolated,
             multinode_open_to_all=multinode_open_to_all(ctx),
-            meshes=meshes(ctx),
+            meshes=ctx.meshes,
         )
-
-
-def meshes(ctx: WorkerContext) -> bool:
-    """Whether a multi-node job's nodes get networks of their own here (node.py
-    `_meets_over_veth`): such a node meets its peers only at their own addresses, so the
-    scheduler never gives one job nodes here and on a worker whose nodes keep the host's."""
-    return ctx.node_meshes and ctx.isolation.sandboxed
 
 
 def multinode_open_to_all(ctx: WorkerContext) -> bool:
@@ -225,8 +218,9 @@ def _prepare_routed(ctx: WorkerContext, name: str) -> None:
 def start_dns_relay(ctx: WorkerContext) -> None:
     """Routed nodes resolve names through the worker (dns_relay.py): the host's resolvers are
     walled from jobs like any other service, and one on the host's loopback is out of reach."""
-    servers = dns_relay.upstreams()
-    ctx.dns_conf = dns_relay.relay_conf(ctx.run_root / ".dns")
+    host_conf = dns_relay.read_or_empty(dns_relay.HOST_CONF)
+    servers = dns_relay.upstreams(host_conf)
+    ctx.dns_conf = dns_relay.relay_conf(ctx.run_root / ".dns", host_conf)
     ctx.dns_relay = dns_relay.DnsRelay(servers)
     ctx.dns_relay.start()
     log.info("job nodes' look-ups relayed to %s", ", ".join(servers))

@@ -49,6 +49,11 @@ class WorkerContext:
     dns_conf: Path | None = None
 
     @property
+    def meshes(self) -> bool:
+        """Whether a multi-node job's nodes get networks of their own here (node_mesh.py)."""
+        return self.node_meshes and self.isolation.sandboxed
+
+    @property
     def run_root(self) -> Path:
         """This worker's run folders; whatever a previous process left here is dead."""
         return self.settings.runs_dir / self.name

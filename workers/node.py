@@ -112,7 +112,7 @@ def run_node(ctx: WorkerContext, job_id: int, attempt: int, node_rank: int) -> s
 
 def _meets_over_veth(ctx: WorkerContext, launch: NodeLaunch) -> bool:
     """A multi-node job on a worker that gives them networks of their own (node_mesh.py)."""
-    return ctx.node_meshes and ctx.isolation.sandboxed and launch.nnodes > 1
+    return ctx.meshes and launch.nnodes > 1
 
 
 def _folder_hooks(ctx: WorkerContext, key: NodeKey, nnodes: int) -> FolderHooks:

@@ -49,6 +49,11 @@ class QueuedJob:
     needs_cuda: bool = False  # e.g. amp fp16: never placed on a CPU worker of a mixed cluster
     max_nodes: int = 0  # an elastic job (contract §12): `nodes` is its fewest, this its most
 
+    @property
+    def most_nodes(self) -> int:
+        """The most nodes it may run on: past 1, it may span hosts."""
+        return max(self.nodes, self.max_nodes)
+
 
 def node_count(job: QueuedJob, fitting: int, owner: Owner) -> int:
     """How many nodes to give a job that fits: its size, or for an elastic job as many as fit
@@ -286,7 +291,7 @@ def one_network_kind(job: QueuedJob, fitting: list[str], meshed: set[str]) -> li
     peers at their own addresses, which a node on its host's network never says: mixed, the
     job would wait out its rendezvous and fail. The kind that gives it more nodes (up to its
     most), meshed hosts where both give as many."""
-    most = max(job.nodes, job.max_nodes)
+    most = job.most_nodes
     if most <= 1:
         return fitting
     own = [n for n in fitting if n in meshed]
@@ -300,7 +305,7 @@ def _shut_to(job: QueuedJob, closed: set[str], host_networks: set[str]) -> set[s
     network (contract §7 v3: its ranks would reach the host's services)."""
     if job.by_admin:
         return set()
-    return closed | host_networks if max(job.nodes, job.max_nodes) > 1 else closed
+    return closed | host_networks if job.most_nodes > 1 else closed
 
 
 def _reason(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tests.workers.launcher.test_job_network import worker
-from workers.agent import meshes, multinode_open_to_all
+from workers.agent import multinode_open_to_all
 from workers.context import WorkerContext
 from workers.launcher.sandbox import UNISOLATED, Isolation
 
@@ -27,6 +27,6 @@ def test_a_worker_whose_multi_node_jobs_keep_the_host_network_takes_only_the_adm
 def test_a_worker_says_whether_its_multi_node_jobs_nodes_get_networks_of_their_own() -> None:
     """The scheduler never splits one job between the two kinds (placement.one_network_kind)."""
     root = Isolation(kind="sandbox", method="bwrap-setuid", bwrap="/usr/bin/bwrap", uid=1, gid=1)
-    assert meshes(_worker(root, node_meshes=True))
-    assert not meshes(_worker(USERNS, node_meshes=False, allow_host_network="true"))
-    assert not meshes(_worker(UNISOLATED, node_meshes=True))  # unsandboxed: the host's network
+    assert _worker(root, node_meshes=True).meshes
+    assert not _worker(USERNS, node_meshes=False, allow_host_network="true").meshes
+    assert not _worker(UNISOLATED, node_meshes=True).meshes  # unsandboxed: the host's network

@@ -53,6 +53,7 @@ ALL_PENDING_MAX = 512
 TICK_S = 0.2
 CLONE_NEWNET = 0x40000000
 KEPT_OPTIONS = ("search", "domain", "options")  # of the host's resolv.conf, for the job's
+HOST_CONF = Path("/etc/resolv.conf")
 RESOLVED_STUB = "127.0.0.53"
 RESOLVED_UPSTREAMS = Path("/run/systemd/resolve/resolv.conf")  # systemd-resolved's own list
 
@@ -61,9 +62,9 @@ def upstreams(text: str | None = None, resolved: str | None = None) -> list[str]
     """The host's resolvers (`/etc/resolv.conf`), loopback ones included: the relay asks from
     the host's side. systemd-resolved's stub is replaced by the servers it asks (`resolved`,
     its own list), where it names any. None named means glibc's default, 127.0.0.1."""
-    found = _nameservers(_read(Path("/etc/resolv.conf")) if text is None else text)
+    found = _nameservers(read_or_empty(HOST_CONF) if text is None else text)
     if RESOLVED_STUB in found:
-        behind = _nameservers(_read(RESOLVED_UPSTREAMS) if resolved is None else resolved)
+        behind = _nameservers(read_or_empty(RESOLVED_UPSTREAMS) if resolved is None else resolved)
         behind = [a for a in behind if not ipaddress.ip_address(a.split("%")[0]).is_loopback]
         if behind:
             at = found.index(RESOLVED_STUB)
@@ -71,7 +72,8 @@ def upstreams(text: str | None = None, resolved: str | None = None) -> list[str]
     return found or ["127.0.0.1"]
 
 
-def _read(path: Path) -> str:
+def read_or_empty(path: Path) -> str:
+    """A resolv.conf's text; a missing or unreadable one is an empty one (as glibc takes it)."""
     try:
         return path.read_text()
     except OSError:
@@ -94,11 +96,8 @@ def relay_conf(folder: Path, host_text: str | None = None) -> Path:
     """The resolv.conf a routed node's sandbox binds: the relay, and the host's search domains
     and options (`options edns0` lets answers past 512 bytes come by UDP, the relay's only way)."""
     if host_text is None:
-        try:
-            host_text = Path("/etc/resolv.conf").read_text()
-        except OSError:
-            host_text = ""
-    kept = [line for line in host_text.splitlines() if line.split()[:1] and line.split()[0] in KEPT_OPTIONS]
+        host_text = read_or_empty(HOST_CONF)
+    kept = [line for line in host_text.splitlines() if (line.split() or [""])[0] in KEPT_OPTIONS]
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)
     path = folder / "resolv.conf"
@@ -168,8 +167,11 @@ class _Listener:
     rate: float = RATE
     burst: float = BURST
     pending: int = 0
-    tokens: float = BURST
+    tokens: float = field(init=False)  # a full bucket to start
     filled_at: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.tokens = self.burst
 
     def spend(self, now: float) -> bool:
         self.tokens = min(self.burst, self.tokens + (now - self.filled_at) * self.rate)
@@ -260,7 +262,7 @@ class DnsRelay:
             self._adds.clear()
             self._removes.clear()
         for sock in adds:
-            self._listeners[sock] = _Listener(sock, self.rate, self.burst, tokens=self.burst)
+            self._listeners[sock] = _Listener(sock, self.rate, self.burst)
             self._selector.register(sock, selectors.EVENT_READ)
         for sock in removes:
             try:

@@ -416,11 +416,12 @@ def _mac(interface: str) -> str:
         raise NetworkUnavailable(f"no MAC address for {interface}: {exc}") from exc
 
 
-def move_in(outer_pid: int, veth: Attached) -> None:
+def move_in(outer_pid: int, veth: Attached) -> int:
     """The veth's inner end into the sandbox's namespace, as `eth0`, its routes added last
-    (command.AWAIT_ROUTE waits for them)."""
+    (command.AWAIT_ROUTE waits for them). Returns the sandbox's first process, whose namespace
+    it is (_sandbox_child), for what else the worker puts there (dns_relay.py)."""
     try:
-        inner = sandbox_child(outer_pid)
+        inner = _sandbox_child(outer_pid)
         _run(["ip", "link", "set", veth.peer_if, "netns", str(inner)])
         if veth.job_mac:  # sealed: the host never asks who holds the job's address (the
             # answer would teach the job the host end's address and MAC), so before it is up
@@ -432,6 +433,7 @@ def move_in(outer_pid: int, veth: Attached) -> None:
     except NetworkUnavailable:
         release(veth)
         raise
+    return inner
 
 
 def _inside(veth: Attached) -> list[str]:
@@ -564,7 +566,7 @@ def _elements(listing: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def sandbox_child(outer_pid: int) -> int:
+def _sandbox_child(outer_pid: int) -> int:
     """The sandbox's first process (bwrap's child, in its own network namespace)."""
     mine = _netns("self")
     deadline = time.monotonic() + ATTACH_WAIT_S

@@ -247,16 +247,15 @@ class NodeSupervisor:
 
     def _plumb_network(self, proc: subprocess.Popen[bytes]) -> None:
         """The sandbox's veth, from outside: a routed node's, or a multi-node job's node's."""
-        if self.plan.veth is not None:  # made before the launch (a multi-node job's node)
-            job_network.move_in(proc.pid, self.plan.veth)
-            attached = self.plan.veth
-        elif self.plan.routed_subnet is not None:
-            attached = job_network.attach(proc.pid, self.plan.routed_subnet)
-        else:
+        attached = self.plan.veth  # made before the launch (a multi-node job's node)
+        if attached is None and self.plan.routed_subnet is not None:
+            attached = job_network.reserve(self.plan.routed_subnet)  # a routed node's, now
+        if attached is None:
             return
+        inner = job_network.move_in(proc.pid, attached)
         if attached.gateway and self.dns is not None:
             try:
-                self.dns_socket = self.dns.serve(job_network.sandbox_child(proc.pid))
+                self.dns_socket = self.dns.serve(inner)
             except (OSError, job_network.NetworkUnavailable) as exc:  # its look-ups refused at once
                 log.warning("job %s node %s: no DNS relay: %s", self.key.job_id, self.key.node_rank, exc)
         log.info("job %s node %s: network %s via %s", self.key.job_id, self.key.node_rank,

@@ -353,8 +353,8 @@ def test_a_routed_job_resolves_names_through_the_worker_s_relay_to_a_loopback_re
     try:
         job = _sandbox(tmp_path, "look-up", [sys.executable, "-c", LOOK_UP], resolv_conf=conf)
         try:
-            job_network.attach(job.pid, SUBNET)
-            listener = relay.serve(job_network.sandbox_child(job.pid))
+            inner = job_network.move_in(job.pid, job_network.reserve(SUBNET))  # as the supervisor does
+            listener = relay.serve(inner)
             out, err = job.communicate(timeout=60)
         finally:
             _end(job)
